@@ -1,0 +1,43 @@
+"""ddplab: learn torch.distributed from a notebook, with real processes.
+
+    from ddplab import Pool
+    pool = Pool(4)           # four ranks with a gloo process group, ready
+    pool.run(fn)             # fn runs on every rank; the result is a list by rank
+    %%ranks                  # a cell that runs on every rank
+
+In IPython, importing ddplab starts the forkserver (a process with torch already
+imported) in the background, so the first Pool starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ddplab.errors import RankError, RankFailure, RankTimeout
+from ddplab.pool import Pool, current_pool
+
+__all__ = ["Pool", "RankError", "RankFailure", "RankTimeout", "current_pool"]
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ip) -> None:
+    """`%load_ext ddplab`: register `%%ranks` and warm up the forkserver."""
+    from ddplab import forkserver
+    from ddplab.magics import register
+
+    register(ip)
+    forkserver.get()
+
+
+def _in_ipython() -> bool:
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    return get_ipython() is not None
+
+
+if _in_ipython():  # a learner is about to start a pool: get torch loaded meanwhile
+    from ddplab import forkserver as _forkserver
+
+    _forkserver.get()

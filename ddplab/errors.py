@@ -1,0 +1,125 @@
+"""The exceptions a Pool raises in the notebook, and how they read.
+
+A distributed failure is rarely one traceback: one rank raises, the others are left
+waiting for it inside a collective. So one exception carries every failing rank's
+traceback, names the first failure as the root cause, and says where each rank that did
+not finish was stuck, and whether the pool had to be restarted.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+from dataclasses import dataclass
+
+
+@dataclass
+class RankFailure:
+    """What went wrong on one rank."""
+
+    rank: int
+    type: str  # the exception's class name, or "died" when the process ended
+    message: str
+    traceback: str  # formatted inside the rank: cells named "Cell In[N]", no ddplab frames
+    time: float  # time.monotonic() when it happened (comparable between processes)
+    exception_bytes: bytes | None = None
+
+    @property
+    def exception(self) -> BaseException | None:
+        """The rank's original exception object, if it could be pickled and sent."""
+        if self.exception_bytes is None:
+            return None
+        try:
+            return pickle.loads(self.exception_bytes)
+        except Exception:
+            return None
+
+    def headline(self) -> str:
+        if self.type == "died":
+            return f"rank {self.rank} {self.message}"
+        return f"rank {self.rank} raised {self.type}: {self.message}".rstrip(": ")
+
+
+def describe_exit(status: int | None) -> str:
+    """'was killed by signal 11 (SIGSEGV)' / 'exited with code 3' from a wait status."""
+    import os
+
+    if status is None:
+        return "died (its exit status is unknown)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = "unknown signal"
+        return f"was killed by signal {sig} ({name})"
+    return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+@dataclass
+class Stuck:
+    """Where a rank that did not finish was when the pool gave up on it."""
+
+    rank: int
+    headline: str  # e.g. "waiting in recv() of torch/distributed/distributed_c10d.py"
+    stack: str  # the learner's frames, formatted
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed (raised, died, or never finished) during a pool call.
+
+    Attributes: `failures` (rank -> RankFailure), `root_cause` (the rank that failed
+    first, or None), `stuck` (rank -> Stuck for ranks that were still running) and
+    `restarted` (True if the pool rebuilt its ranks, which resets their variables).
+    """
+
+    def __init__(self, failures: dict[int, RankFailure], stuck: dict[int, Stuck],
+                 restarted: bool, reason: str = "") -> None:
+        self.failures = dict(sorted(failures.items()))
+        self.stuck = dict(sorted(stuck.items()))
+        self.restarted = restarted
+        first = min(failures.values(), key=lambda f: (f.time, f.rank), default=None)
+        self.root_cause = first.rank if first else None
+        super().__init__(self._compose(reason))
+
+    def _compose(self, reason: str) -> str:
+        lines = []
+        if self.root_cause is not None:
+            root = self.failures[self.root_cause]
+            lines.append(f"{root.headline()}  <- root cause (the first rank to fail)")
+            lines += [f.headline() for r, f in self.failures.items() if r != self.root_cause]
+        if reason:
+            lines.append(reason)
+        if self.restarted:
+            lines.append("The pool was restarted, so the ranks' variables are reset.")
+        for r, f in self.failures.items():
+            label = " (root cause)" if r == self.root_cause and len(self.failures) > 1 else ""
+            body = f.traceback.rstrip() or f"(rank {r} {f.message})"
+            lines += ["", f"--- rank {r}{label} ---", body]
+        for r, s in self.stuck.items():
+            lines += ["", f"--- rank {r}: {s.headline} ---"]
+            if s.stack:
+                lines.append(s.stack.rstrip())
+        return "\n".join(lines)
+
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the ranks' story only.
+
+        The kernel-side frames (pool.run waiting for replies) teach nothing and show this
+        machine's paths, so IPython is given just the message, as ipyparallel does.
+        """
+        name = f"\x1b[31m{type(self).__name__}\x1b[0m"
+        return f"{name}: {self}".splitlines()
+
+
+class RankTimeout(RankError, TimeoutError):
+    """A pool call did not finish before its deadline; `stuck` says where ranks were."""
+
+
+def ranks_text(ranks) -> str:
+    """'rank 2' / 'ranks 0, 1 and 3'."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"

@@ -1,0 +1,146 @@
+"""The ranks' stdout and stderr, brought into the notebook cell that ran the code.
+
+Each rank writes to two pipes that the kernel reads. Text is shown from the kernel's main
+thread, by writing to `sys.stdout` / `sys.stderr` there: under nbval ipykernel does not
+capture subprocesses' output, and output written from other threads can land in the wrong
+cell. By default a call's output is shown when the call ends, grouped in rank order under
+`[rank N]` headers, so it is the same on every run (nbval compares it). With `stream=True`
+lines are shown as they arrive, each prefixed with `[rank N]`.
+
+A rank ends each call's output with a marker (see worker.py); a call's output is complete
+when both of each rank's streams have shown that marker, or have closed.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import sys
+from dataclasses import dataclass, field
+
+from ddplab.worker import MARK
+
+_MARK_HEAD = MARK.split(b"%d")[0]
+_MARK_TAIL = MARK.split(b"%d")[1]
+STREAMS = ("stdout", "stderr")
+
+
+@dataclass
+class _Stream:
+    rank: int
+    name: str  # "stdout" or "stderr"
+    pending: bytes = b""
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    text: list[str] = field(default_factory=list)  # this call's text, not yet shown
+    partial_line: str = ""  # stream mode: the unfinished line
+    last_mark: int = -1
+    closed: bool = False
+
+
+def _rank_order(stream: _Stream) -> tuple[int, int]:
+    """Rank by rank, and within a rank stdout before stderr."""
+    return stream.rank, STREAMS.index(stream.name)
+
+
+class OutputRouter:
+    """Collects the ranks' output for one pool and shows it in the running cell."""
+
+    def __init__(self) -> None:
+        self._by_fd: dict[int, _Stream] = {}
+        self._call_id = 0
+        self._live = False
+
+    def add(self, rank: int, stdout_fd: int, stderr_fd: int) -> None:
+        for name, fd in zip(STREAMS, (stdout_fd, stderr_fd), strict=True):
+            os.set_blocking(fd, False)
+            self._by_fd[fd] = _Stream(rank, name)
+
+    def fds(self) -> list[int]:
+        return [fd for fd, s in self._by_fd.items() if not s.closed]
+
+    def close_all(self) -> None:
+        for fd in self._by_fd:
+            os.close(fd)
+        self._by_fd.clear()
+
+    def begin(self, call_id: int, live: bool) -> None:
+        self._call_id = call_id
+        self._live = live
+
+    def complete(self, ranks) -> bool:
+        """Has every stream of these ranks shown this call's marker (or closed)?"""
+        return all(s.closed or s.last_mark >= self._call_id
+                   for s in self._by_fd.values() if s.rank in ranks)
+
+    def read(self, fd: int) -> bool:
+        """Read what is available on fd; False once it has closed."""
+        stream = self._by_fd[fd]
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            stream.closed = True
+            self._emit(stream, stream.decoder.decode(stream.pending, final=True))
+            stream.pending = b""
+            return False
+        self._consume(stream, stream.pending + data)
+        return True
+
+    def _consume(self, stream: _Stream, data: bytes) -> None:
+        while True:
+            start = data.find(_MARK_HEAD)
+            if start < 0:
+                break
+            end = data.find(_MARK_TAIL, start + len(_MARK_HEAD))
+            if end < 0:
+                break  # the marker is cut in two; wait for the rest
+            self._emit(stream, stream.decoder.decode(data[:start]))
+            stream.last_mark = int(data[start + len(_MARK_HEAD):end])
+            data = data[end + len(_MARK_TAIL):]
+        # Hold back what may be the start of a marker: a whole head whose number has not
+        # arrived yet, or a tail that is the beginning of a head.
+        start = data.find(_MARK_HEAD)
+        if start < 0:
+            start = len(data)
+            for k in range(min(len(_MARK_HEAD) - 1, len(data)), 0, -1):
+                if data.endswith(_MARK_HEAD[:k]):
+                    start = len(data) - k
+                    break
+        self._emit(stream, stream.decoder.decode(data[:start]))
+        stream.pending = data[start:]
+
+    def _emit(self, stream: _Stream, text: str) -> None:
+        if not text:
+            return
+        if not self._live:
+            stream.text.append(text)
+            return
+        lines = (stream.partial_line + text).split("\n")
+        stream.partial_line = lines.pop()
+        if lines:
+            out = sys.stdout if stream.name == "stdout" else sys.stderr
+            out.write("".join(f"[rank {stream.rank}] {line}\n" for line in lines))
+            out.flush()
+
+    def show(self) -> None:
+        """Show what this call printed: grouped by rank, or the last partial lines."""
+        if self._live:
+            for stream in sorted(self._by_fd.values(), key=_rank_order):
+                if stream.partial_line:
+                    out = sys.stdout if stream.name == "stdout" else sys.stderr
+                    out.write(f"[rank {stream.rank}] {stream.partial_line}\n")
+                    out.flush()
+                    stream.partial_line = ""
+            return
+        for stream in sorted(self._by_fd.values(), key=_rank_order):
+            text = "".join(stream.text)
+            stream.text.clear()
+            if not text:
+                continue
+            out = sys.stdout if stream.name == "stdout" else sys.stderr
+            out.write(f"[rank {stream.rank}]\n{text}" + ("" if text.endswith("\n") else "\n"))
+            out.flush()

@@ -1,0 +1,276 @@
+"""What runs inside each rank: a small loop that executes whatever the notebook sends.
+
+A rank is forked from the forkserver (see forkserver.py) with four channels from the
+kernel: a command socket (calls in, results out), a control socket (answered by a thread,
+so the kernel can ask "where are you stuck?" while the main thread is blocked in a
+collective), and its stdout and stderr, which are pipes read by the kernel. Output is
+captured at the file-descriptor level, so C++ warnings from gloo/NCCL and a raw
+`os.write(1, ...)` reach the notebook too.
+
+After each call the rank writes an end-of-call marker into both pipes before replying.
+The kernel shows a call's output only once it has seen those markers, so every line a
+rank printed is shown in the cell that ran the code, and never in the next one.
+
+Everything the notebook sends is a function call: `%%ranks` cells, `push` and `pull` are
+calls to the small functions at the bottom of this file, which work on the rank's
+persistent namespace.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import ctypes
+import ctypes.util
+import datetime
+import faulthandler
+import io
+import os
+import pickle
+import random
+import signal
+import sys
+import threading
+import time
+import types
+from multiprocessing.connection import Connection
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from ddplab import tracebacks
+
+MARK = b"\x00ddplab-end:%d\x00"
+"""End-of-call marker written to stdout and stderr; never shown to the learner."""
+
+namespace: dict = {}
+"""The rank's persistent namespace: `%%ranks` cells run in it, push/pull use it."""
+
+_spec: dict = {}
+"""What the pool said this rank is: rank, world size, backend, init method, ..."""
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+
+
+# --- set-up ---
+
+def _redirect_output(out_fd: int, err_fd: int) -> None:
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.close(out_fd)
+    os.close(err_fd)
+    # Line-buffered, so `--stream` shows lines as they are printed.
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True,
+                                  errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True,
+                                  errors="backslashreplace")
+
+
+def _die_with_parent(lifeline_fd: int) -> None:
+    """Exit, with everything this rank started, when the kernel goes away."""
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(lifeline_fd, 1):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ddplab-lifeline", daemon=True).start()
+    if sys.platform.startswith("linux") and _libc is not None:
+        _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: also go if the forkserver dies
+
+
+def _answer_control(ctl: Connection) -> None:
+    """Serve the kernel's questions while the main thread may be stuck."""
+
+    def serve() -> None:
+        while True:
+            try:
+                request = ctl.recv()
+            except (EOFError, OSError):
+                return
+            if request == "stack":
+                ctl.send(tracebacks.current_main_stack())
+
+    threading.Thread(target=serve, name="ddplab-control", daemon=True).start()
+
+
+def _fresh_main_module() -> None:
+    """Give the rank a clean `__main__` whose dict is the rank's namespace.
+
+    Functions and classes defined in `%%ranks` cells then belong to `__main__`, as they
+    would in a script, and cloudpickle sends them back by value.
+    """
+    global namespace
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    namespace = main.__dict__
+
+
+def init_process_group() -> None:
+    """Initialize this rank's process group the way the pool was asked to."""
+    spec = _spec
+    method = spec["init_method"]
+    if method is None:
+        return
+    kwargs = {"backend": spec["backend"],
+              "timeout": datetime.timedelta(seconds=spec["pg_timeout"])}
+    if method == "env":
+        kwargs["init_method"] = "env://"
+    else:
+        kwargs.update(init_method=spec["init_url"], rank=spec["rank"],
+                      world_size=spec["world_size"])
+    if spec["backend"] == "nccl":
+        kwargs["device_id"] = torch.device("cuda", spec["local_rank"])
+    dist.init_process_group(**kwargs)
+
+
+def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
+         lifeline_fd: int) -> int:
+    """Set up the rank described by `spec`, then serve calls until told to exit."""
+    _redirect_output(out_fd, err_fd)
+    _die_with_parent(lifeline_fd)
+    _spec.update(spec)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    try:
+        os.chdir(spec["cwd"])
+    except OSError:
+        pass
+    sys.path[:] = spec["sys_path"]
+    faulthandler.enable(file=sys.stderr)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
+    torch.set_num_threads(spec["threads"])
+    # A forked process inherits the server's random state; a rank should not.
+    torch.seed()
+    random.seed()
+
+    rank, local_rank = spec["rank"], spec["local_rank"]
+    if spec["backend"] == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    _fresh_main_module()
+    namespace.update(torch=torch, dist=dist, rank=rank, world_size=spec["world_size"],
+                     local_rank=local_rank, device=device)
+
+    conn = Connection(os.dup(cmd_fd))
+    os.close(cmd_fd)
+    _answer_control(Connection(ctl_fd))
+    while True:
+        try:
+            request = conn.recv_bytes()
+        except (EOFError, OSError):
+            return 0
+        op, call_id, payload = pickle.loads(request)
+        if op == "exit":
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            return 0
+        reply = _run(call_id, payload)
+        _end_of_call(call_id)
+        conn.send_bytes(reply)
+
+
+# --- one call ---
+
+class _ResultPickler(cloudpickle.Pickler):
+    """Sends tensors home on the CPU: the notebook's kernel may have no GPU context."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return torch.Tensor.cpu, (obj.detach(),)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    _ResultPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _failure(exc: BaseException, started: float, note: str = "") -> dict:
+    try:
+        pickled = pickle.dumps(exc)
+    except Exception:
+        pickled = None
+    text = tracebacks.format_exception(exc)
+    return {"type": type(exc).__name__, "message": str(exc),
+            "traceback": text + (f"\n{note}\n" if note else ""),
+            "time": time.monotonic(), "started": started, "exception": pickled}
+
+
+def _run(call_id: int, payload: bytes) -> bytes:
+    started = time.monotonic()
+    try:
+        fn, args, kwargs, sources = cloudpickle.loads(payload)
+        tracebacks.install_sources(sources)
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - a rank reports everything, even SystemExit
+        return pickle.dumps(("err", call_id, _failure(exc, started)))
+    try:
+        return _dumps(("ok", call_id, result))
+    except Exception as exc:
+        note = (f"The value returned by rank {_spec['rank']} could not be sent back to the "
+                "notebook (it must be picklable). Return plain data or tensors instead.")
+        return pickle.dumps(("err", call_id, _failure(exc, started, note)))
+
+
+def _end_of_call(call_id: int) -> None:
+    """Flush every layer of buffering, then mark the end of this call's output."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if _libc is not None:
+        _libc.fflush(None)  # C code's printf buffers
+    marker = MARK % call_id
+    for fd in (1, 2):
+        try:
+            os.write(fd, marker)
+        except OSError:
+            pass
+
+
+# --- the calls the notebook makes by name ---
+
+def exec_cell(source: str, filename: str, first_line: int = 1) -> None:
+    """Run a `%%ranks` cell in the rank's namespace, echoing a final expression like IPython.
+
+    `first_line` is the cell line the body starts on, so tracebacks point at the same line
+    numbers the learner sees in the notebook.
+    """
+    tree = ast.parse(source, filename)
+    ast.increment_lineno(tree, first_line - 1)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is not None:
+        value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+        if value is not None:
+            print(repr(value))
+
+
+def set_vars(values: dict) -> None:
+    """`pool.push`: bind names in the rank's namespace."""
+    namespace.update(values)
+
+
+def get_var(name: str) -> tuple[bool, object]:
+    """`pool.pull`: (found, value) of a name in the rank's namespace."""
+    if name in namespace:
+        return True, namespace[name]
+    return False, None
+
+
+def pid() -> int:
+    """This rank's process id (the pool's tests use it to check that nothing leaks)."""
+    return os.getpid()
