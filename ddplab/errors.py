@@ -78,7 +78,10 @@ class RankError(RuntimeError):
         self.failures = dict(sorted(failures.items()))
         self.stuck = dict(sorted(stuck.items()))
         self.restarted = restarted
-        first = min(failures.values(), key=lambda f: (f.time, f.rank), default=None)
+        # A rank that died is the cause of its peers' errors ("connection closed by peer"),
+        # which gloo raises the instant its socket closes: deaths come first.
+        first = min(failures.values(), key=lambda f: (f.type != "died", f.time, f.rank),
+                    default=None)
         self.root_cause = first.rank if first else None
         super().__init__(self._compose(reason))
 
@@ -94,7 +97,9 @@ class RankError(RuntimeError):
             lines.append("The pool was restarted, so the ranks' variables are reset.")
         for r, f in self.failures.items():
             label = " (root cause)" if r == self.root_cause and len(self.failures) > 1 else ""
-            body = f.traceback.rstrip() or f"(rank {r} {f.message})"
+            body = f.traceback.rstrip() or (
+                f"(no Python traceback: the process {f.message}; what it printed last, "
+                "if anything, is shown above)")
             lines += ["", f"--- rank {r}{label} ---", body]
         for r, s in self.stuck.items():
             lines += ["", f"--- rank {r}: {s.headline} ---"]

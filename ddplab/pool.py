@@ -484,10 +484,10 @@ class Pool:
         try:
             reply = rank.conn.recv_bytes()
         except (EOFError, OSError):
+            seen = time.monotonic()
             self._selector.unregister(rank.conn)
             status = forkserver.get().wait_exit(rank.pid, timeout=2.0)
-            outcome.failures[r] = RankFailure(r, "died", describe_exit(status), "",
-                                              time.monotonic())
+            outcome.failures[r] = RankFailure(r, "died", describe_exit(status), "", seen)
             return
         status, cid, value = pickle.loads(reply)
         if cid != call_id:

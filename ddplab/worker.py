@@ -82,8 +82,6 @@ def _die_with_parent(lifeline_fd: int) -> None:
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="ddplab-lifeline", daemon=True).start()
-    if sys.platform.startswith("linux") and _libc is not None:
-        _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: also go if the forkserver dies
 
 
 def _answer_control(ctl: Connection) -> None:
