@@ -1,0 +1,186 @@
+"""The Pool as a learner meets it: inside a real Jupyter kernel (jupyter_client, no mocks).
+
+Covers what only a kernel can show: functions defined in cells, the %%ranks magic and its
+cell names, how errors are displayed, the kernel's interrupt, and that restarting or
+killing the kernel leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from jupyter_client import KernelManager
+
+from test_pool import gone
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Reply:
+    stdout: str = ""
+    stderr: str = ""
+    results: list[str] = field(default_factory=list)
+    error: dict | None = None
+
+
+class Kernel:
+    """A real ipykernel, started the way JupyterLab starts one."""
+
+    def __init__(self) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.km.start_kernel(cwd=str(REPO / "notebooks"), env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def submit(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def collect(self, msg_id: str, timeout: float = 60) -> Reply:
+        reply = Reply()
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                setattr(reply, content["name"], getattr(reply, content["name"]) + content["text"])
+            elif kind == "execute_result":
+                reply.results.append(content["data"]["text/plain"])
+            elif kind == "error":
+                reply.error = content
+            elif kind == "status" and content["execution_state"] == "idle":
+                return reply
+
+    def run(self, code: str, timeout: float = 60) -> Reply:
+        return self.collect(self.submit(code), timeout)
+
+    def value(self, expr: str):
+        reply = self.run(expr)
+        assert reply.error is None, reply.error
+        return eval(reply.results[-1])
+
+    def stop(self) -> None:
+        self.kc.stop_channels()
+        if self.km.is_alive():
+            self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    setup = k.run("import os, time, torch, torch.distributed as dist\n"
+                  "from ddplab import Pool\npool = Pool(2)")
+    assert setup.error is None, setup.error
+    yield k
+    k.stop()
+
+
+def test_functions_and_lambdas_defined_in_cells_run_on_every_rank(kernel):
+    kernel.run("def square_plus_rank(x):\n    return x * x + dist.get_rank()")
+    assert kernel.value("pool.run(square_plus_rank, 3)") == [9, 10]
+    assert kernel.value("pool.run(lambda: dist.get_world_size())") == [2, 2]
+
+
+def test_ranks_magic_keeps_a_namespace_per_rank(kernel):
+    first = kernel.run("%%ranks\nx = torch.arange(3) + rank\ndist.all_reduce(x)\n"
+                       "print('world', world_size, device, local_rank == rank)\nx")
+    assert first.error is None, first.error
+    assert first.stdout == ("[rank 0]\nworld 2 cpu True\ntensor([1, 3, 5])\n"
+                            "[rank 1]\nworld 2 cpu True\ntensor([1, 3, 5])\n")
+    again = kernel.run("%%ranks -r 1\nx * 10")
+    assert again.stdout == "[rank 1]\ntensor([10, 30, 50])\n"
+
+
+def test_output_is_captured_at_the_fd_level_and_streams(kernel):
+    reply = kernel.run("%%ranks\nimport os, sys\nos.write(1, b'raw\\n')\n"
+                       "print('to err', file=sys.stderr)")
+    assert reply.stdout == "[rank 0]\nraw\n[rank 1]\nraw\n"
+    assert reply.stderr == "[rank 0]\nto err\n[rank 1]\nto err\n"
+    streamed = kernel.run("%%ranks --stream -r 0\nprint('live')")
+    assert streamed.stdout == "[rank 0] live\n"
+
+
+def test_errors_show_every_rank_with_the_cells_own_names_and_lines(kernel):
+    reply = kernel.run("%%ranks\n\nif rank == 1:\n    raise KeyError('missing')")
+    err = reply.error
+    assert err["ename"] == "RankError"
+    shown = "\n".join(err["traceback"])
+    assert "rank 1 raised KeyError: 'missing'  <- root cause" in shown
+    number = kernel.value("get_ipython().execution_count") - 1 - 1
+    assert f'File "Cell In[{number}]", line 4, in <module>' in shown
+    assert "raise KeyError('missing')" in shown
+    assert "/ddplab/" not in shown and str(REPO) not in shown  # no kernel-side frames
+    assert kernel.value("pool.run(lambda: 1)") == [1, 1]
+
+
+def test_a_hang_in_a_cell_reports_the_cell_line(kernel):
+    reply = kernel.run("%%ranks -t 2\nt = torch.zeros(1)\nif rank == 0:\n"
+                       "    dist.recv(t, src=1)")
+    err = reply.error
+    assert err["ename"] == "RankTimeout"
+    assert "rank 0: waiting in recv() of torch/distributed/distributed_c10d.py" in err["evalue"]
+    assert "line 4, in <module>\n    dist.recv(t, src=1)" in err["evalue"]
+    assert kernel.value("pool.run(lambda: 2)") == [2, 2]
+
+
+def test_interrupt_stops_the_call_and_leaves_a_working_pool(kernel):
+    pids = kernel.value("pool.pids")
+    msg_id = kernel.submit("pool.run(time.sleep, 60)")
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    kernel.km.interrupt_kernel()
+    reply = kernel.collect(msg_id, timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert reply.error["ename"] == "KeyboardInterrupt"
+    assert "pool restarted" in reply.stderr
+    assert gone(pids)
+    assert kernel.value("pool.run(lambda: dist.get_rank())") == [0, 1]
+
+
+def _processes_of(k: Kernel) -> list[int]:
+    reply = k.run("import ddplab.forkserver as fs\nprint(pool.pids + [fs.get().pid])")
+    assert reply.error is None, reply.error
+    return eval(reply.stdout)
+
+
+def test_restarting_the_kernel_leaves_no_process():
+    k = Kernel()
+    try:
+        assert k.run("from ddplab import Pool\npool = Pool(2)").error is None
+        pids = _processes_of(k)
+        k.km.restart_kernel(now=False)
+        assert gone(pids, within=10)
+    finally:
+        k.stop()
+
+
+def test_two_kernels_at_once_then_sigkill_leaves_no_process():
+    kernels = [Kernel(), Kernel()]
+    try:
+        start = "from ddplab import Pool\nimport torch, torch.distributed as dist\npool = Pool(2)"
+        for k in kernels:  # both start their pools at the same time
+            k.msg = k.submit(start)
+        for k in kernels:
+            assert k.collect(k.msg).error is None
+        for k in kernels:
+            k.msg = k.submit("%%ranks\nt = torch.ones(1) * (rank + 1)\n"
+                             "for _ in range(200):\n    dist.all_reduce(t)\nt.item() > 0")
+        for k in kernels:
+            assert k.collect(k.msg).stdout == "[rank 0]\nTrue\n[rank 1]\nTrue\n"
+        pids = _processes_of(kernels[0])
+        kernel_pid = int(kernels[0].run("import os; print(os.getpid())").stdout)
+        os.kill(kernel_pid, signal.SIGKILL)
+        assert gone(pids, within=10)
+        assert kernels[1].value("pool.run(lambda: 1)") == [1, 1]  # the other is untouched
+    finally:
+        for k in kernels:
+            k.stop()

@@ -1,0 +1,331 @@
+"""The Pool's promises, checked with real processes and real gloo (no mocks).
+
+The notebook-side promises (cells, %%ranks, interrupt, kernel restart and kill) are in
+test_kernel.py, through a real Jupyter kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddplab import Pool, RankError, RankTimeout, forkserver
+
+
+def gone(pids, within: float = 5.0) -> bool:
+    """True once none of these processes exists (zombies count as gone)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Pool(3, timeout=30) as p:
+        yield p
+
+
+def rank_sum(x):
+    t = torch.tensor([x + dist.get_rank()])
+    dist.all_reduce(t)
+    return t.item()
+
+
+# --- 1. code runs on ranks ---
+
+def test_run_returns_a_value_per_rank(pool):
+    assert pool.run(rank_sum, 10) == [33, 33, 33]
+
+
+def test_lambdas_closures_and_kwargs_reach_the_ranks(pool):
+    scale = 7
+    assert pool.run(lambda a, b=0: (dist.get_rank() + a + b) * scale, 1, b=1) == [14, 21, 28]
+
+
+def test_ranks_selects_ranks_and_returns_a_dict(pool):
+    assert pool.run(dist.get_rank, ranks=[0, 2]) == {0: 0, 2: 2}
+    assert pool.run(dist.get_rank, ranks=1) == {1: 1}
+
+
+def test_namespace_is_prefilled_and_persistent(pool):
+    pool.exec_cell("y = rank * 10\nsame = (world_size, local_rank == rank, str(device))")
+    assert pool.pull("y") == [0, 10, 20]
+    assert pool.pull("same") == [(3, True, "cpu")] * 3
+    pool.push(lr=0.5)
+    pool.exec_cell("z = lr * (rank + 1)")
+    assert pool.pull("z", ranks=[2]) == {2: 1.5}
+
+
+def test_tensors_come_back(pool):
+    out = pool.run(lambda: torch.arange(3) * dist.get_rank())
+    assert [t.tolist() for t in out] == [[0, 0, 0], [0, 1, 2], [0, 2, 4]]
+
+
+# --- 2. output ---
+
+def test_output_is_grouped_by_rank_and_caught_at_fd_level(pool, capfd):
+    def talk():
+        r = dist.get_rank()
+        print(f"print {r}")
+        os.write(1, f"raw {r}\n".encode())
+        os.write(2, f"err {r}\n".encode())
+        return r
+
+    pool.run(talk)
+    out, err = capfd.readouterr()
+    assert out == "".join(f"[rank {r}]\nprint {r}\nraw {r}\n" for r in range(3))
+    assert err == "".join(f"[rank {r}]\nerr {r}\n" for r in range(3))
+
+
+def test_stream_prefixes_lines(pool, capfd):
+    pool.exec_cell("print('a'); print('b', end='')", stream=True, ranks=[1])
+    out, _ = capfd.readouterr()
+    assert out == "[rank 1] a\n[rank 1] b\n"
+
+
+def test_output_of_a_call_never_leaks_into_the_next(pool, capfd):
+    for i in range(20):
+        pool.run(print, i)
+        out, _ = capfd.readouterr()
+        assert out == "".join(f"[rank {r}]\n{i}\n" for r in range(3))
+
+
+def test_big_output_does_not_block(pool, capfd):
+    pool.run(lambda: print("x" * 300_000), ranks=[0])
+    out, _ = capfd.readouterr()
+    assert out.count("x") == 300_000
+
+
+# --- 3. errors ---
+
+def test_errors_on_some_ranks_raise_one_error_with_the_root_cause(pool):
+    def fail():
+        r = dist.get_rank()
+        if r == 0:
+            time.sleep(0.3)  # rank 2 fails first
+        if r in (0, 2):
+            raise ValueError(f"bad value on {r}")
+        return r
+
+    with pytest.raises(RankError) as info:
+        pool.run(fail)
+    err = info.value
+    assert sorted(err.failures) == [0, 2]
+    assert err.root_cause == 2
+    assert not err.restarted
+    text = str(err)
+    assert text.startswith("rank 2 raised ValueError: bad value on 2  <- root cause")
+    assert 'raise ValueError(f"bad value on {r}")' in text  # the source line
+    assert "--- rank 0 ---" in text and "--- rank 2 (root cause) ---" in text
+    assert isinstance(err.failures[0].exception, ValueError)
+    assert pool.run(dist.get_rank) == [0, 1, 2]  # usable, and not restarted
+    assert pool.pull("lr") == [0.5] * 3
+
+
+def test_a_failure_leaves_waiting_ranks_reported_and_the_pool_rebuilt():
+    with Pool(2, timeout=30) as p:
+        p.error_grace = 1.0
+
+        def one_fails():
+            if dist.get_rank() == 1:
+                raise RuntimeError("rank 1 gives up")
+            dist.all_reduce(torch.ones(1))  # rank 0 waits for rank 1 forever
+
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as info:
+            p.run(one_fails)
+        assert time.monotonic() - t0 < 5
+        err = info.value
+        assert err.root_cause == 1 and err.restarted and list(err.stuck) == [0]
+        assert "all_reduce" in err.stuck[0].headline
+        assert p.run(rank_sum, 0) == [1, 1]
+
+
+def test_unpicklable_return_value_is_a_clear_error(pool):
+    with pytest.raises(RankError, match="could not be sent back"):
+        pool.run(lambda: threading.Lock(), ranks=[0])
+
+
+# --- 4. hangs ---
+
+@pytest.mark.parametrize("code, where", [
+    ("if rank == 0:\n    dist.all_reduce(torch.ones(1))", "all_reduce"),  # mismatched
+    ("if rank == 1:\n    dist.recv(torch.zeros(1), src=0)", "recv"),  # nobody sends
+    ("while True:\n    pass", "running its own code"),  # infinite loop
+])
+def test_hangs_end_at_the_deadline_with_stacks_and_a_rebuilt_pool(code, where):
+    with Pool(2, timeout=30) as p:
+        old = p.pids
+        t0 = time.monotonic()
+        with pytest.raises(RankTimeout) as info:
+            p.exec_cell(code, timeout=2, filename="<hang>")
+        assert time.monotonic() - t0 < 2 + 3
+        err = info.value
+        assert err.restarted and err.stuck
+        assert all(where in s.headline for s in err.stuck.values())
+        assert all('File "<hang>", line' in s.stack for s in err.stuck.values())
+        assert gone(old) and p.pids != old
+        assert p.run(rank_sum, 1) == [3, 3]
+
+
+def test_process_group_timeout_is_the_pool_timeout():
+    """gloo itself gives up after the pool's timeout, not after its default 30 minutes."""
+    with Pool(2, timeout=2) as p, pytest.raises(RankError) as info:
+        p.run(lambda: dist.recv(torch.zeros(1), src=0) if dist.get_rank() == 1 else None,
+              timeout=20)
+    assert 1 in info.value.failures and not isinstance(info.value, RankTimeout)
+
+
+# --- 5. crashes ---
+
+@pytest.mark.parametrize("crash, expected", [
+    ("os._exit(3)", "exited with code 3"),
+    ("os.kill(os.getpid(), signal.SIGKILL)", "was killed by signal 9 (SIGKILL)"),
+    ("ctypes.string_at(0)", "was killed by signal 11 (SIGSEGV)"),
+])
+def test_a_dying_rank_is_reported_and_the_pool_recovers(crash, expected, capfd):
+    with Pool(2, timeout=30) as p:
+        p.error_grace = 0.5
+        with pytest.raises(RankError) as info:
+            p.exec_cell(f"import os, signal, ctypes\nif rank == 1:\n    {crash}\n"
+                        "dist.barrier()")
+        err = info.value
+        assert err.root_cause == 1 and err.failures[1].type == "died"
+        assert f"rank 1 {expected}" in str(err)
+        assert err.restarted
+        assert p.run(rank_sum, 0) == [1, 1]
+    if "SIGSEGV" in expected:  # faulthandler's dump of where it crashed reaches the cell
+        assert "Segmentation fault" in capfd.readouterr().err
+
+
+# --- 7. no leaks ---
+
+def test_shutdown_leaves_no_process_and_no_file():
+    p = Pool(2, init_method="file")
+    pids, tmpdir = p.pids, p._tmpdir
+    assert os.path.isdir(tmpdir) and oct(os.stat(tmpdir).st_mode)[-3:] == "700"
+    p.shutdown()
+    p.shutdown()  # twice is fine
+    assert gone(pids)
+    assert not os.path.exists(tmpdir)
+    with pytest.raises(RuntimeError, match="shut down"):
+        p.run(print)
+
+
+def test_garbage_collected_pool_leaves_no_process():
+    p = Pool(2)
+    pids = p.pids
+    del p
+    import gc
+
+    gc.collect()
+    assert gone(pids)
+
+
+def test_restart_gives_fresh_ranks(pool):
+    old = pool.pids
+    pool.restart()
+    assert gone(old)
+    assert pool.pids != old
+    with pytest.raises(NameError, match="no variable 'lr'"):
+        pool.pull("lr")
+    assert pool.run(rank_sum, 0) == [3, 3, 3]
+
+
+def test_a_dead_forkserver_is_replaced():
+    server = forkserver.get()
+    os.kill(server.pid, signal.SIGKILL)
+    with Pool(2) as p:
+        assert p.run(rank_sum, 0) == [1, 1]
+
+
+# --- 8. init methods ---
+
+@pytest.mark.parametrize("method", ["env", "tcp", "file"])
+def test_init_methods(method):
+    with Pool(2, init_method=method) as p:
+        assert p.run(rank_sum, 1) == [3, 3]
+
+
+def test_init_method_none_leaves_the_group_to_the_notebook():
+    with Pool(2, init_method=None) as p:
+        env = p.run(lambda: {k: os.environ[k] for k in
+                             ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
+        assert [e["RANK"] for e in env] == ["0", "1"]
+        assert env[0]["MASTER_ADDR"] == "127.0.0.1" and env[0]["MASTER_PORT"].isdigit()
+        assert p.run(dist.is_initialized) == [False, False]
+        p.run(lambda: dist.init_process_group("gloo"))
+        assert p.run(rank_sum, 1) == [3, 3]
+
+
+def test_two_pools_at_once_do_not_collide():
+    with Pool(2) as a, Pool(2, init_method="tcp") as b:
+        ports = [q.run(lambda: os.environ["MASTER_PORT"])[0] for q in (a, b)]
+        assert ports[0] != ports[1]
+        assert a.run(rank_sum, 1) == b.run(rank_sum, 1) == [3, 3]
+
+
+def test_ranks_use_one_thread_unless_asked():
+    with Pool(1) as p:
+        assert p.run(torch.get_num_threads) == [1]
+        assert p.run(lambda: os.environ["OMP_NUM_THREADS"]) == ["1"]
+    with Pool(1, threads=2) as p:
+        assert p.run(torch.get_num_threads) == [2]
+
+
+# --- 9. NCCL without GPUs ---
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_nccl_without_gpus_is_a_clear_error_before_anything_starts():
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError, match="backend='gloo'"):
+        Pool(2, backend="nccl")
+    assert set(psutil.Process().children(recursive=True)) <= before
+
+
+# --- 10. bad input ---
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"world_size": 0}, ValueError, "at least 1"),
+    ({"world_size": -2}, ValueError, "at least 1"),
+    ({"world_size": 2.0}, TypeError, "positive int"),
+    ({"world_size": "4"}, TypeError, "positive int"),
+    ({"world_size": True}, TypeError, "positive int"),
+    ({"world_size": 2, "backend": "mpi"}, ValueError, "'gloo'.*'nccl'"),
+    ({"world_size": 2, "init_method": "udp"}, ValueError, "'env', 'tcp', 'file', or None"),
+    ({"world_size": 2, "timeout": 0}, ValueError, "positive number of seconds"),
+    ({"world_size": 2, "threads": 0}, ValueError, "threads"),
+])
+def test_bad_pool_arguments_fail_at_once(kwargs, error, match):
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(error, match=match):
+        Pool(**kwargs)
+    assert set(psutil.Process().children(recursive=True)) <= before
+
+
+def test_bad_call_arguments_fail_at_once(pool):
+    with pytest.raises(ValueError, match="ranks 0..2; \\[3\\] is out of range"):
+        pool.run(print, ranks=[0, 3])
+    with pytest.raises(ValueError, match="at least one"):
+        pool.run(print, ranks=[])
+    with pytest.raises(TypeError, match="needs a function"):
+        pool.run(42)
+    with pytest.raises(TypeError, match="picklable"):
+        pool.run(print, threading.Lock())
+    with pytest.raises(ValueError, match="timeout"):
+        pool.run(print, timeout=-1)
+    with pytest.raises(NameError, match="ranks 0, 1 and 2 have no variable 'nope'"):
+        pool.pull("nope")
+    assert pool.run(rank_sum, 0) == [3, 3, 3]  # nothing was disturbed
