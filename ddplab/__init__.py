@@ -11,13 +11,26 @@ imported) in the background, so the first Pool starts in a fraction of a second.
 
 from __future__ import annotations
 
+import importlib
 import sys
-
-from ddplab.errors import RankError, RankFailure, RankTimeout
-from ddplab.pool import Pool, current_pool
 
 __all__ = ["Pool", "RankError", "RankFailure", "RankTimeout", "current_pool"]
 __version__ = "0.1.0"
+
+# Where each public name lives. They are imported on first use (PEP 562), so `import
+# ddplab`, the `ddplab` command and the forkserver's start do not pay for importing torch.
+_LAZY = {"Pool": "ddplab.pool", "current_pool": "ddplab.pool", "RankError": "ddplab.errors",
+         "RankFailure": "ddplab.errors", "RankTimeout": "ddplab.errors"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ddplab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
 
 
 def load_ipython_extension(ip) -> None:

@@ -19,6 +19,7 @@ all exit. Nothing is left behind.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import select
@@ -241,10 +242,8 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
 
 def _kill_all(children: set[int]) -> None:
     for pid in children:
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _child(spec: dict, fds: list[int], closing: list[int]) -> None:
@@ -274,7 +273,7 @@ def serve(sock_fd: int, lifeline_fd: int) -> None:
     sock = socket.socket(fileno=sock_fd)
     # Preload what every rank needs, once. Nothing here may start threads before fork.
     import cloudpickle  # noqa: F401
-    import torch  # noqa: F401
+    import torch
     import torch.distributed  # noqa: F401
 
     from ddplab import worker  # noqa: F401
@@ -310,10 +309,8 @@ def serve(sock_fd: int, lifeline_fd: int) -> None:
             pid = os.fork()
             if pid == 0:
                 _child(msg[1], [*fds, lifeline_fd], [sock.fileno(), wake_r, wake_w])
-            try:
+            with contextlib.suppress(OSError):  # the child did it first, or is gone
                 os.setpgid(pid, pid)
-            except OSError:
-                pass  # the child did it first, or is already gone
             children.add(pid)
             for fd in fds:
                 os.close(fd)

@@ -13,9 +13,9 @@ echoed per rank, as IPython echoes it. Tracebacks and stack reports name the cel
 
 from __future__ import annotations
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.core.error import UsageError
 
 
 def _parse_ranks(text: str | None) -> list[int] | None:

@@ -12,6 +12,7 @@ working pool behind, and no process outlives the pool or the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import linecache
 import os
@@ -86,10 +87,8 @@ def _free_port() -> int:
 
 def _kill_groups(pids: Iterable[int]) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _check_gpus(world_size: int) -> None:
@@ -221,7 +220,8 @@ class Pool:
         missing = [r for r in targets if not found[r][0]]
         if missing:
             have = [r for r in targets if found[r][0]]
-            where = f" ({ranks_text(have)} {'has' if len(have) == 1 else 'have'} it)" if have else ""
+            verb = "has" if len(have) == 1 else "have"
+            where = f" ({ranks_text(have)} {verb} it)" if have else ""
             raise NameError(f"pull({name!r}): {ranks_text(missing)} "
                             f"{'has' if len(missing) == 1 else 'have'} no variable "
                             f"{name!r}{where}. Define it in a %%ranks cell or with "
@@ -253,10 +253,8 @@ class Pool:
                 return
             self._closed = True
             for rank in self._ranks:
-                try:
+                with contextlib.suppress(OSError):
                     rank.conn.send_bytes(pickle.dumps(("exit", 0, b"")))
-                except OSError:
-                    pass
             deadline = time.monotonic() + 2.0
             for rank in self._ranks:  # a clean exit lets the ranks tear down their groups
                 remaining = deadline - time.monotonic()
@@ -358,10 +356,8 @@ class Pool:
         self._drain(1.0)
         for rank in self._ranks:
             for fd in (rank.conn.fileno(), rank.stdout_fd, rank.stderr_fd):
-                try:
+                with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(fd)
-                except (KeyError, ValueError):
-                    pass
             rank.conn.close()
             rank.ctl.close()
         self._output.close_all()
@@ -449,10 +445,8 @@ class Pool:
         deadline = time.monotonic() + timeout
         try:
             for r in targets:
-                try:
+                with contextlib.suppress(OSError):  # a dead rank's result channel says so
                     self._ranks[r].conn.send_bytes(message)
-                except OSError:
-                    pass  # it has died; its result channel will say so
             while pending or not self._output.complete(targets):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -503,10 +497,8 @@ class Pool:
         """Ask each unfinished rank where its main thread is; fall back to faulthandler."""
         stuck = {}
         for r in ranks:
-            try:
+            with contextlib.suppress(OSError):
                 self._ranks[r].ctl.send("stack")
-            except OSError:
-                pass
         deadline = time.monotonic() + 1.5
         for r in ranks:
             ctl = self._ranks[r].ctl
@@ -517,10 +509,9 @@ class Pool:
                     continue
             except (EOFError, OSError):
                 pass
-            try:  # it holds the GIL in native code: the C-level dump goes to its stderr
+            # It holds the GIL in native code: ask faulthandler for a C-level dump instead.
+            with contextlib.suppress(OSError):
                 os.kill(self._ranks[r].pid, signal.SIGUSR1)
-            except OSError:
-                pass
             stuck[r] = Stuck(r, "not answering (busy in native code); its stack dump, if "
                                 "any, is in its stderr above", "")
         return stuck

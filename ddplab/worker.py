@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import ctypes
 import ctypes.util
 import datetime
@@ -138,10 +139,8 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
     _spec.update(spec)
     os.environ.clear()
     os.environ.update(spec["env"])
-    try:
+    with contextlib.suppress(OSError):
         os.chdir(spec["cwd"])
-    except OSError:
-        pass
     sys.path[:] = spec["sys_path"]
     faulthandler.enable(file=sys.stderr)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
@@ -212,7 +211,7 @@ def _run(call_id: int, payload: bytes) -> bytes:
         fn, args, kwargs, sources = cloudpickle.loads(payload)
         tracebacks.install_sources(sources)
         result = fn(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - a rank reports everything, even SystemExit
+    except BaseException as exc:  # a rank reports everything, even SystemExit
         return pickle.dumps(("err", call_id, _failure(exc, started)))
     try:
         return _dumps(("ok", call_id, result))
@@ -225,18 +224,14 @@ def _run(call_id: int, payload: bytes) -> bytes:
 def _end_of_call(call_id: int) -> None:
     """Flush every layer of buffering, then mark the end of this call's output."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     if _libc is not None:
         _libc.fflush(None)  # C code's printf buffers
     marker = MARK % call_id
     for fd in (1, 2):
-        try:
+        with contextlib.suppress(OSError):
             os.write(fd, marker)
-        except OSError:
-            pass
 
 
 # --- the calls the notebook makes by name ---

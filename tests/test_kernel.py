@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from jupyter_client import KernelManager
-
 from test_pool import gone
 
 REPO = Path(__file__).resolve().parents[1]

@@ -316,7 +316,7 @@ def test_bad_pool_arguments_fail_at_once(kwargs, error, match):
 
 
 def test_bad_call_arguments_fail_at_once(pool):
-    with pytest.raises(ValueError, match="ranks 0..2; \\[3\\] is out of range"):
+    with pytest.raises(ValueError, match=r"ranks 0\.\.2; \[3\] is out of range"):
         pool.run(print, ranks=[0, 3])
     with pytest.raises(ValueError, match="at least one"):
         pool.run(print, ranks=[])

@@ -1,0 +1,173 @@
+"""The ``ddplab`` command: one entry point for learners, instructors and CI.
+
+``ddplab lab`` opens JupyterLab on the chapter notebooks, bound to 127.0.0.1 only (workers
+and rendezvous are local, and a classroom laptop should not serve notebooks to the network).
+``ddplab execute`` re-runs notebooks in place so that their committed outputs always come
+from the kit itself (see :mod:`ddplab.notebooks`).
+
+This module only parses arguments and dispatches; each subcommand's work lives in the module
+named for it, imported only when that subcommand runs. This module itself imports nothing
+heavy (no torch, no Jupyter), so the command costs no more than the package import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+Handler = Callable[[argparse.Namespace, list[str]], int]
+
+
+def find_notebooks_dir() -> Path | None:
+    """``notebooks/`` under the current directory, else next to the installed package."""
+    for base in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        candidate = base / "notebooks"
+        if candidate.is_dir():
+            return candidate.resolve()
+    return None
+
+
+# --- ddplab lab ------------------------------------------------------------------------------
+
+
+def _add_lab(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "lab",
+        help="open JupyterLab on the chapter notebooks (127.0.0.1 only)",
+        description=(
+            "Start JupyterLab with notebooks/ as its root, listening on 127.0.0.1. "
+            "Any other option is passed to JupyterLab unchanged, "
+            "e.g. --ServerApp.token=abc (use the --Key=value form)."
+        ),
+        allow_abbrev=False,
+    )
+    p.add_argument("--port", type=int, help="port to listen on (default: Jupyter's, 8888 or next)")
+    p.add_argument("--no-browser", action="store_true", help="do not open a web browser")
+    p.set_defaults(handler=_run_lab, passthrough=True)
+
+
+def _run_lab(args: argparse.Namespace, extra: list[str]) -> int:
+    notebooks = find_notebooks_dir()
+    if notebooks is None:
+        print(
+            "ddplab lab: no notebooks/ directory found in the current directory or next to "
+            "the ddplab package; run it from the ddplab checkout.",
+            file=sys.stderr,
+        )
+        return 2
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        f"--ServerApp.root_dir={notebooks}",
+        "--ServerApp.ip=127.0.0.1",
+    ]
+    if args.port is not None:
+        cmd.append(f"--ServerApp.port={args.port}")
+    if args.no_browser:
+        cmd.append("--ServerApp.open_browser=False")
+    cmd += extra  # last, so the user's options win
+    print(f"ddplab: serving {notebooks}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # Replace this process: Ctrl-C and signals reach JupyterLab directly, no wrapper remains.
+    os.execv(sys.executable, cmd)
+    return 0  # not reached
+
+
+# --- ddplab execute --------------------------------------------------------------------------
+
+
+def _add_execute(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "execute",
+        help="re-execute notebooks in place from a fresh kernel",
+        description=(
+            "Run each notebook top to bottom in a fresh python3 kernel and save the outputs "
+            "into the file. A directory stands for its [0-9]*.ipynb chapters, in order. Cells "
+            "tagged raises-exception may fail; any other failure stops with a message naming "
+            "the notebook and cell, leaves that file unchanged, and exits non-zero."
+        ),
+    )
+    p.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        default=[Path("notebooks")],
+        metavar="PATH",
+        help="notebook files or directories (default: notebooks)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=int,
+        default=600,
+        metavar="SECONDS",
+        help="per-cell time limit (default: 600)",
+    )
+    p.set_defaults(handler=_run_execute, passthrough=False)
+
+
+def _run_execute(args: argparse.Namespace, extra: list[str]) -> int:
+    from ddplab.notebooks import NotebookExecutionError, execute_notebook, find_notebooks
+
+    targets: list[Path] = []
+    for path in args.paths:
+        if not path.exists():
+            print(f"ddplab execute: {path}: no such file or directory", file=sys.stderr)
+            return 2
+        found = find_notebooks(path)
+        if not found:
+            print(f"ddplab execute: {path}: no [0-9]*.ipynb notebooks in it", file=sys.stderr)
+            return 2
+        targets += found
+
+    total = time.perf_counter()
+    for nb_path in targets:
+        try:
+            seconds = execute_notebook(nb_path, timeout=args.timeout)
+        except NotebookExecutionError as exc:
+            print(f"ddplab execute: {exc}", file=sys.stderr)
+            print(f"ddplab execute: {nb_path} left unchanged.", file=sys.stderr)
+            return 1
+        print(f"{nb_path}  {seconds:.1f} s", flush=True)
+    if len(targets) > 1:
+        print(f"{len(targets)} notebooks  {time.perf_counter() - total:.1f} s")
+    return 0
+
+
+# --- the command -----------------------------------------------------------------------------
+
+# One entry per subcommand: an `_add_<name>(sub)` that builds its parser and sets `handler`
+# (and `passthrough`, whether unknown options are forwarded rather than rejected). A new
+# subcommand (e.g. `doctor`) is a new `_add_<name>` / `_run_<name>` pair listed here.
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_lab,
+    _add_execute,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddplab",
+        description="ddplab: a JupyterLab teaching kit for PyTorch distributed training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not args.passthrough:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    handler: Handler = args.handler
+    return handler(args, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

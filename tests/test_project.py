@@ -1,0 +1,194 @@
+"""Project-level checks: the two install routes agree, and the `ddplab` command works.
+
+These guard the promises of the README's quick start: `make lab` serves the chapter
+notebooks, `ddplab execute` regenerates their outputs, and conda users get the same
+dependencies as `pip install -e ".[test]"`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from ddplab.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "ddplab-test"
+
+
+def test_environment_yml_matches_pyproject() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    yaml = pytest.importorskip("yaml")
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    wanted = set(project["dependencies"]) | set(project["optional-dependencies"]["test"])
+
+    env = yaml.safe_load((ROOT / "environment.yml").read_text(encoding="utf-8"))
+    pip_sections = [d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d]
+    assert len(pip_sections) == 1, "environment.yml needs exactly one `pip:` section"
+    pip_list = pip_sections[0]
+    assert "-e ." in pip_list, "environment.yml must install the package itself with `-e .`"
+    listed = {req for req in pip_list if req != "-e ."}
+
+    assert listed == wanted, (
+        "environment.yml's pip list and pyproject.toml (dependencies + [test]) disagree:\n"
+        f"  only in pyproject.toml:  {sorted(wanted - listed)}\n"
+        f"  only in environment.yml: {sorted(listed - wanted)}"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.status, resp.headers.get("Content-Type", ""), resp.read()
+
+
+def test_lab_serves_notebooks(tmp_path: Path) -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    # Keep the user's Jupyter config, runtime files and workspaces out of the test.
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
+    )
+    log_path = tmp_path / "lab.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddplab.cli",
+        "lab",
+        "--no-browser",
+        "--port",
+        str(port),
+        f"--IdentityProvider.token={TOKEN}",
+        "--ServerApp.port_retries=0",
+    ]
+    if os.geteuid() == 0:  # CI containers run as root; Jupyter refuses that unless told
+        cmd.append("--ServerApp.allow_root=True")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        listing = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"ddplab lab exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                status, _, body = _get(f"{base}/api/contents?token={TOKEN}")
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)
+                continue
+            assert status == 200
+            listing = json.loads(body)
+            break
+        assert listing is not None, f"no answer in 60 s:\n{log_path.read_text()}"
+
+        served = {item["name"] for item in listing["content"] if item["type"] == "notebook"}
+        on_disk = {
+            p.name for p in (ROOT / "notebooks").glob("*.ipynb") if not p.name.startswith(".")
+        }
+        assert on_disk, "notebooks/ holds no notebook"
+        assert served == on_disk
+
+        status, content_type, body = _get(f"{base}/lab?token={TOKEN}")
+        assert status == 200
+        assert content_type.startswith("text/html")
+        assert b"<html" in body.lower()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode is not None
+
+
+def _execute(*paths: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ddplab.cli", "execute", *map(str, paths)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_execute_reruns_notebook_in_place(tmp_path: Path) -> None:
+    v4 = nbformat.v4
+    good = tmp_path / "good.ipynb"
+    expected_failure = v4.new_code_cell("raise ValueError('shown to the learner')")
+    expected_failure.metadata["tags"] = ["raises-exception"]
+    nbformat.write(
+        v4.new_notebook(
+            cells=[
+                v4.new_markdown_cell("# A tiny chapter"),
+                v4.new_code_cell("x = 6*7"),
+                v4.new_code_cell("print(x)"),
+                expected_failure,
+            ]
+        ),
+        good,
+    )
+
+    result = _execute(good)
+    assert result.returncode == 0, result.stderr
+    assert "good.ipynb" in result.stdout
+    nb = nbformat.read(good, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == [1, 2, 3]
+    assert code[1].outputs[0]["text"] == "42\n"
+    assert code[2].outputs[0]["ename"] == "ValueError"
+    assert nb.metadata.kernelspec.name == "python3"
+    assert all("execution" not in c.metadata for c in nb.cells)
+
+    # Same outputs, same bytes: re-running does not churn the committed files.
+    first = good.read_bytes()
+    assert _execute(good).returncode == 0
+    assert good.read_bytes() == first
+
+    bad = tmp_path / "bad.ipynb"
+    nbformat.write(
+        v4.new_notebook(
+            cells=[
+                v4.new_code_cell("y = 1"),
+                v4.new_code_cell("undefined_name + 1"),
+                v4.new_code_cell("print('never reached')"),
+            ]
+        ),
+        bad,
+    )
+    before = bad.read_bytes()
+    result = _execute(bad)
+    assert result.returncode != 0
+    assert "bad.ipynb" in result.stderr
+    assert "cell 2" in result.stderr
+    assert "NameError" in result.stderr
+    assert bad.read_bytes() == before
+
+
+def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "lab" in out
+    assert "execute" in out
