@@ -56,6 +56,28 @@ def describe_exit(status: int | None) -> str:
     return f"exited with code {os.WEXITSTATUS(status)}"
 
 
+SIMULTANEOUS = 0.5
+"""Failures this many seconds apart count as simultaneous (the lowest rank is named)."""
+
+
+def _root_cause(failures: dict[int, RankFailure]) -> tuple[int | None, list[int]]:
+    """(the rank that failed first, the other ranks that failed at the same moment).
+
+    A rank that died comes first: its peers' errors ("connection closed by peer") are
+    consequences that gloo raises the instant its socket closes. Among exceptions, ranks
+    running the same code often fail within milliseconds of each other, in an order that
+    changes from run to run; they are reported as simultaneous, lowest rank first, so the
+    message is the same every time.
+    """
+    if not failures:
+        return None, []
+    died = [f for f in failures.values() if f.type == "died"]
+    pool = died or list(failures.values())
+    first = min(f.time for f in pool)
+    together = sorted(f.rank for f in pool if f.time - first <= SIMULTANEOUS)
+    return together[0], together[1:]
+
+
 @dataclass
 class Stuck:
     """Where a rank that did not finish was when the pool gave up on it."""
@@ -69,8 +91,9 @@ class RankError(RuntimeError):
     """One or more ranks failed (raised, died, or never finished) during a pool call.
 
     Attributes: `failures` (rank -> RankFailure), `root_cause` (the rank that failed
-    first, or None), `stuck` (rank -> Stuck for ranks that were still running) and
-    `restarted` (True if the pool rebuilt its ranks, which resets their variables).
+    first, or None), `simultaneous` (other ranks that failed at the same moment), `stuck`
+    (rank -> Stuck for ranks that were still running) and `restarted` (True if the pool
+    rebuilt its ranks, which resets their variables).
     """
 
     def __init__(self, failures: dict[int, RankFailure], stuck: dict[int, Stuck],
@@ -78,18 +101,16 @@ class RankError(RuntimeError):
         self.failures = dict(sorted(failures.items()))
         self.stuck = dict(sorted(stuck.items()))
         self.restarted = restarted
-        # A rank that died is the cause of its peers' errors ("connection closed by peer"),
-        # which gloo raises the instant its socket closes: deaths come first.
-        first = min(failures.values(), key=lambda f: (f.type != "died", f.time, f.rank),
-                    default=None)
-        self.root_cause = first.rank if first else None
+        self.root_cause, self.simultaneous = _root_cause(self.failures)
         super().__init__(self._compose(reason))
 
     def _compose(self, reason: str) -> str:
         lines = []
         if self.root_cause is not None:
             root = self.failures[self.root_cause]
-            lines.append(f"{root.headline()}  <- root cause (the first rank to fail)")
+            why = ("the first rank to fail" if not self.simultaneous else
+                   f"{ranks_text([self.root_cause, *self.simultaneous])} failed at the same time")
+            lines.append(f"{root.headline()}  <- root cause ({why})")
             lines += [f.headline() for r, f in self.failures.items() if r != self.root_cause]
         if reason:
             lines.append(reason)

@@ -114,7 +114,7 @@ def test_errors_on_some_ranks_raise_one_error_with_the_root_cause(pool):
     def fail():
         r = dist.get_rank()
         if r == 0:
-            time.sleep(0.3)  # rank 2 fails first
+            time.sleep(1.0)  # rank 2 fails first
         if r in (0, 2):
             raise ValueError(f"bad value on {r}")
         return r
@@ -126,12 +126,21 @@ def test_errors_on_some_ranks_raise_one_error_with_the_root_cause(pool):
     assert err.root_cause == 2
     assert not err.restarted
     text = str(err)
-    assert text.startswith("rank 2 raised ValueError: bad value on 2  <- root cause")
+    assert text.startswith("rank 2 raised ValueError: bad value on 2  <- root cause (the "
+                           "first rank to fail)")
     assert 'raise ValueError(f"bad value on {r}")' in text  # the source line
     assert "--- rank 0 ---" in text and "--- rank 2 (root cause) ---" in text
     assert isinstance(err.failures[0].exception, ValueError)
     assert pool.run(dist.get_rank) == [0, 1, 2]  # usable, and not restarted
     assert pool.pull("lr") == [0.5] * 3
+
+
+def test_simultaneous_failures_name_the_lowest_rank_every_time(pool):
+    for _ in range(3):
+        with pytest.raises(RankError) as info:
+            pool.run(lambda: 1 / (dist.get_rank() // 2))  # ranks 0 and 1 divide by zero
+        assert info.value.root_cause == 0 and info.value.simultaneous == [1]
+        assert "<- root cause (ranks 0 and 1 failed at the same time)" in str(info.value)
 
 
 def test_a_failure_leaves_waiting_ranks_reported_and_the_pool_rebuilt():
