@@ -165,7 +165,13 @@ class Pool:
         if init_method == "file":
             self._tmpdir = tempfile.mkdtemp(prefix="ddplab-")  # mode 0700: private
             weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            self._closed = True
+            if self._tmpdir:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+            raise
         global _current
         _current = weakref.ref(self)
         _enable_magics()
@@ -389,6 +395,8 @@ class Pool:
         timeout = self._timeout if timeout is None else self._check_timeout(timeout)
         with self._lock:
             self._ensure_open()
+            if not self._ranks:  # a rebuild was interrupted or failed: try again now
+                self._start()
             outcome = self._exchange(fn, args, kwargs, targets, timeout, stream,
                                      extra_sources or {})
             if outcome.broken:
