@@ -70,6 +70,10 @@ def _run_lab(args: argparse.Namespace, extra: list[str]) -> int:
         cmd.append(f"--ServerApp.port={args.port}")
     if args.no_browser:
         cmd.append("--ServerApp.open_browser=False")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Containers and CI often run as root, which Jupyter refuses by default. The server
+        # listens on 127.0.0.1 only and needs its token, so allowing root opens nothing.
+        cmd.append("--ServerApp.allow_root=True")
     cmd += extra  # last, so the user's options win
     print(f"ddplab: serving {notebooks}", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -81,8 +81,6 @@ def test_lab_serves_notebooks(tmp_path: Path) -> None:
         f"--IdentityProvider.token={TOKEN}",
         "--ServerApp.port_retries=0",
     ]
-    if os.geteuid() == 0:  # CI containers run as root; Jupyter refuses that unless told
-        cmd.append("--ServerApp.allow_root=True")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
