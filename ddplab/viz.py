@@ -1,0 +1,451 @@
+"""The picture language of the kit: every rank's tensor, and where each value came from.
+
+One rule runs through every picture: **each rank has its own colour, and a cell's colour
+says whose data it holds**. Rank 2's values are drawn in rank 2's colour wherever they end
+up, so after a gather, a scatter or an all_to_all a learner sees at a glance which values
+moved where. A value combined from several ranks (the result of a reduction) is striped
+in the colours of all the ranks it came from; an empty buffer (not yet received) is white.
+
+Each panel is one rank: its title in the rank's colour, its tensor as a grid of cells with
+the values written in them (1-D tensors as a row, 2-D as a grid). Layouts:
+
+- `show_ranks(tensors)`: one row of panels, one per rank;
+- `show_before_after(before, after)`: the same, before and after an operation;
+- `show_transfers(tensors, moves)`: panels with arrows for data sent from rank to rank.
+
+Functions take plain tensors, arrays or lists (no pool needed, so they are easy to test) and
+return a `matplotlib.figure.Figure`; in a notebook, a cell ending with one shows it. Figures
+are built without pyplot, so they are never shown twice and never accumulate. Sizes are
+fixed by the content (cells are about 0.45 inch), so pictures look the same everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+
+# Okabe & Ito's colour-blind-safe palette (black left out: it is the text colour), then
+# four from Paul Tol's, so that 12 ranks (3 nodes x 4 GPUs) still have a colour each.
+PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7",
+           "#999999", "#882255", "#999933", "#332288", "#CC6677")
+EMPTY = "#FFFFFF"
+COMBINED = "#E8E8E8"
+CELL = 0.45  # inches per cell
+GAP = 0.45  # inches between panels
+MAX_WIDTH = 15.0  # inches: wider layouts shrink their cells
+FONT = 10
+ARC = 0.35  # inches an arrow between panels bows above or below them
+
+Owner = int | tuple[int, ...] | None
+"""Whose data a cell holds: a rank, several ranks (a combined value), or None (empty)."""
+
+
+def rank_color(rank: int) -> str:
+    """The colour of a rank, the same in every picture of the kit."""
+    return PALETTE[rank % len(PALETTE)]
+
+
+def tint(color: str, amount: float = 0.55) -> tuple[float, float, float]:
+    """A lighter version of a colour, for cell backgrounds that keep black text legible."""
+    rgb = np.array([int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return tuple(rgb + (1 - rgb) * amount)
+
+
+def format_value(value) -> str:
+    """Integers as they are; floats with up to 3 significant digits (what fits a cell)."""
+    if isinstance(value, (bool, np.bool_)):
+        return "T" if value else "F"
+    if isinstance(value, (int, np.integer)) or float(value).is_integer():
+        number = int(value)
+        return str(number) if abs(number) < 100_000 else f"{float(value):.1e}"
+    return f"{float(value):.3g}"
+
+
+def as_grid(tensor) -> np.ndarray:
+    """Any tensor, array, list or number as a 2-D numpy array (a 1-D one becomes a row)."""
+    if hasattr(tensor, "detach"):
+        tensor = tensor.detach().cpu().numpy()
+    array = np.asarray(tensor)
+    if array.ndim == 0:
+        return array.reshape(1, 1)
+    if array.ndim == 1:
+        return array.reshape(1, -1)
+    if array.ndim == 2:
+        return array
+    raise ValueError(f"can draw 1-D and 2-D tensors, not a tensor of shape {array.shape}: "
+                     "reshape or index it first")
+
+
+def owner_grid(owners, shape: tuple[int, int], rank: int) -> list[list[Owner]]:
+    """Per-cell owners for one rank's grid.
+
+    `owners` may be None (every cell is the rank's own data), one Owner for the whole
+    tensor, or a nested list / array with one Owner per element (1-D or 2-D).
+    """
+    rows, cols = shape
+    if owners is None:
+        return [[rank] * cols for _ in range(rows)]
+    if isinstance(owners, (int, np.integer, tuple)) or owners is _EMPTY_MARK:
+        value = None if owners is _EMPTY_MARK else owners
+        return [[_owner(value)] * cols for _ in range(rows)]
+    grid = np.empty((rows, cols), dtype=object)
+    flat = list(_flatten(owners))
+    if len(flat) != rows * cols:
+        raise ValueError(f"owners has {len(flat)} entries for a tensor of {rows * cols} "
+                         "values")
+    for i, value in enumerate(flat):
+        grid[i // cols, i % cols] = _owner(value)
+    return grid.tolist()
+
+
+class _Empty:
+    def __repr__(self) -> str:
+        return "EMPTY"
+
+
+_EMPTY_MARK = _Empty()
+EMPTY_BUFFER = _EMPTY_MARK
+"""Pass as a rank's owners to draw its whole tensor as an empty (not yet filled) buffer."""
+
+
+def _owner(value) -> Owner:
+    if value is None or value is _EMPTY_MARK:
+        return None
+    if isinstance(value, (tuple, list, set, frozenset)):
+        ranks = tuple(sorted({int(v) for v in value}))
+        return ranks[0] if len(ranks) == 1 else ranks
+    return int(value)
+
+
+def _flatten(nested):
+    if isinstance(nested, np.ndarray) and nested.dtype != object:
+        yield from nested.reshape(-1).tolist()
+        return
+    for item in nested:
+        if isinstance(item, (list, np.ndarray)):
+            yield from _flatten(item)
+        else:
+            yield item
+
+
+@dataclass
+class _Panel:
+    rank: int
+    values: np.ndarray
+    owners: list[list[Owner]]
+    label: str
+    x: float = 0.0  # lower-left corner of the grid, in inches
+    y: float = 0.0
+
+    @property
+    def width(self) -> float:
+        return self.values.shape[1]
+
+    @property
+    def height(self) -> float:
+        return self.values.shape[0]
+
+
+def _panels(tensors: Sequence, owners, labels) -> list[_Panel]:
+    panels = []
+    for rank, tensor in enumerate(tensors):
+        values = as_grid(tensor)
+        own = owner_grid(None if owners is None else owners[rank], values.shape, rank)
+        label = labels[rank] if labels is not None else f"rank {rank}"
+        panels.append(_Panel(rank, values, own, label))
+    return panels
+
+
+class _Canvas:
+    """Inches-based drawing on one Axes that fills the whole figure."""
+
+    def __init__(self, width: float, height: float, cell: float) -> None:
+        self.cell = cell
+        self.fig = Figure(figsize=(width, height), dpi=100)
+        self.ax = self.fig.add_axes((0, 0, 1, 1))
+        self.ax.set_xlim(0, width)
+        self.ax.set_ylim(0, height)
+        self.ax.set_axis_off()
+        self.owners_seen: set = set()
+
+    def grid(self, panel: _Panel) -> None:
+        c = self.cell
+        rows, cols = panel.values.shape
+        for i in range(rows):
+            for j in range(cols):
+                x, y = panel.x + j * c, panel.y + (rows - 1 - i) * c
+                self._cell(x, y, panel.owners[i][j])
+                lift = 0.58 if isinstance(panel.owners[i][j], tuple) else 0.5  # above a bar
+                self.ax.text(x + c / 2, y + c * lift, format_value(panel.values[i, j]),
+                             ha="center", va="center", fontsize=FONT * min(1, c / CELL) + 0.5)
+        if rows * cols == 0:
+            self.ax.add_patch(Rectangle((panel.x, panel.y), c, c, fill=False, ls=":",
+                                        ec="#777777"))
+        self.ax.add_patch(Rectangle((panel.x, panel.y), max(cols, 1) * c, max(rows, 1) * c,
+                                    fill=False, lw=1.6, ec=rank_color(panel.rank)))
+        self.ax.text(panel.x, panel.y + max(rows, 1) * c + 0.08, panel.label, ha="left",
+                     va="bottom", fontsize=FONT + 1, fontweight="bold",
+                     color=_readable(rank_color(panel.rank)))
+
+    def _cell(self, x: float, y: float, owner: Owner) -> None:
+        c = self.cell
+        self.owners_seen.add(owner if not isinstance(owner, tuple) else "combined")
+        if owner is None:
+            self.ax.add_patch(Rectangle((x, y), c, c, fc=EMPTY, ec="#BBBBBB", lw=0.8,
+                                        ls="--"))
+            return
+        if isinstance(owner, tuple):  # combined: neutral cell, a bar of its sources' colours
+            self.ax.add_patch(Rectangle((x, y), c, c, fc=COMBINED, ec="none"))
+            bar = c / len(owner)
+            for k, r in enumerate(owner):
+                self.ax.add_patch(Rectangle((x + k * bar, y), bar, c * 0.2, fc=rank_color(r),
+                                            ec="none"))
+        else:
+            self.ax.add_patch(Rectangle((x, y), c, c, fc=tint(rank_color(owner)), ec="none"))
+        self.ax.add_patch(Rectangle((x, y), c, c, fill=False, ec="white", lw=1.0))
+
+    def arrow(self, start: tuple[float, float], end: tuple[float, float], color: str,
+              depth: float = 0.0, label: str | None = None) -> None:
+        """An arrow that bows `depth` inches to its left (negative: to its right)."""
+        distance = float(np.hypot(end[0] - start[0], end[1] - start[1])) or 1.0
+        rad = -2 * depth / distance  # arc3's bulge is rad/2 of the distance
+        self.ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14,
+                                          lw=1.8, color=color, shrinkA=2, shrinkB=2,
+                                          connectionstyle=f"arc3,rad={rad}"))
+        if label:  # at the arc's apex: the midpoint pushed out by rad/2 of the normal
+            (x1, y1), (x2, y2) = start, end
+            nx, ny = (y2 - y1) * rad / 2, -(x2 - x1) * rad / 2
+            up = ny >= 0
+            self.ax.text((x1 + x2) / 2 + nx, (y1 + y2) / 2 + ny + (0.06 if up else -0.06),
+                         label, ha="center", va="bottom" if up else "top",
+                         fontsize=FONT - 1, color=_readable(color))
+
+    def legend(self, ranks: int) -> None:
+        handles = [Patch(fc=tint(rank_color(r)), ec=rank_color(r), label=f"rank {r}'s data")
+                   for r in range(ranks) if r in self.owners_seen]
+        if "combined" in self.owners_seen:
+            handles.append(Patch(fc=COMBINED, ec="#999999",
+                                 label="combined from the ranks in its bar"))
+        if None in self.owners_seen:
+            handles.append(Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="empty buffer"))
+        if len(handles) > 1 or "combined" in self.owners_seen or None in self.owners_seen:
+            per_row = max(1, int(self.fig.get_figwidth() // 2.4))
+            self.ax.legend(handles=handles, loc="lower left", ncol=min(len(handles), per_row),
+                           frameon=False, fontsize=FONT - 1, bbox_to_anchor=(0.0, 0.0),
+                           handlelength=1.5, columnspacing=1.2)
+
+
+def _readable(color: str) -> tuple[float, float, float]:
+    """The rank colour, darkened enough to read as text on white (yellow especially)."""
+    rgb = np.array([int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return tuple(rgb * 0.75)
+
+
+MIN_CELL = 0.25  # inches: below this the numbers are no longer legible
+
+
+def _cell_size(total_cells: float, gaps: float) -> float:
+    return min(CELL, max(MIN_CELL, (MAX_WIDTH - gaps) / max(total_cells, 1)))
+
+
+def _check_width(panels: list[_Panel]) -> None:
+    widest = max(panels, key=lambda p: p.width)
+    if widest.width * MIN_CELL + 0.6 > MAX_WIDTH:
+        raise ValueError(f"rank {widest.rank}'s tensor has {widest.width} values in a row, too "
+                         "many to draw legibly; draw a slice instead, e.g. x[:16]")
+
+
+def _wrap(panels: list[_Panel]) -> list[list[_Panel]]:
+    """Split a row of panels into rows that fit MAX_WIDTH at full cell size, if needed."""
+    rows, row, width = [], [], 0.6
+    for panel in panels:
+        w = max(panel.width, 1) * CELL
+        if row and width + GAP + w > MAX_WIDTH:
+            rows.append(row)
+            row, width = [], 0.6
+        width += (GAP if row else 0) + w
+        row.append(panel)
+    return [*rows, row]
+
+
+def _row_layout(rows: list[list[_Panel]], titles: list[str | None], title: str | None,
+                legend_ranks: int, between: float = 0.0, room: float = 0.0) -> _Canvas:
+    """Place rows of panels top to bottom and return a canvas with them drawn.
+
+    `room` is extra space (inches) above and below the panels, for arrows that arc there.
+    """
+    widest = max(sum(max(p.width, 1) for p in row) for row in rows)
+    per_row = max(len(row) for row in rows)
+    cell = _cell_size(widest, GAP * (per_row - 1) + 0.6)
+    row_heights = [max(max(p.height, 1) for p in row) * cell + 0.35 for row in rows]
+    width = max(sum(max(p.width, 1) * cell for p in row) + GAP * (len(row) - 1)
+                for row in rows) + 0.6
+    entries = legend_ranks + 2  # at most: each rank, "combined", "empty"
+    legend_h = 0.15 + 0.28 * -(-entries // max(1, int(width // 2.4)))
+    title_h = 0.45 if title else 0.1
+    row_title_h = [0.3 if t else 0.0 for t in titles]
+    height = (title_h + sum(row_heights) + sum(row_title_h) + between * (len(rows) - 1)
+              + legend_h + 0.1 + 2 * room)
+    canvas = _Canvas(width, height, cell)
+    y = height - title_h - room
+    if title:
+        canvas.ax.text(0.3, height - 0.12, title, ha="left", va="top", fontsize=FONT + 2)
+    for row, row_title, rh, th in zip(rows, titles, row_heights, row_title_h, strict=True):
+        if row_title:
+            canvas.ax.text(0.3, y - 0.02, row_title, ha="left", va="top", fontsize=FONT,
+                           color="#444444", style="italic")
+        y -= th + rh
+        x = 0.3
+        for panel in row:
+            panel.x, panel.y = x, y
+            canvas.grid(panel)
+            x += max(panel.width, 1) * cell + GAP
+        y -= between
+    canvas.legend(legend_ranks)
+    return canvas
+
+
+def show_ranks(tensors: Sequence, owners: Sequence | None = None, *, title: str | None = None,
+               labels: Sequence[str] | None = None) -> Figure:
+    """One panel per rank: `tensors[r]` is rank r's tensor.
+
+    `owners[r]` says whose data each of rank r's cells holds (see `owner_grid`); by default
+    every rank holds its own data.
+    """
+    panels = _panels(tensors, owners, labels)
+    _check_width(panels)
+    rows = _wrap(panels)
+    return _row_layout(rows, [None] * len(rows), title, len(panels), between=0.15).fig
+
+
+def show_before_after(before: Sequence, after: Sequence, *, owners_before: Sequence | None = None,
+                      owners_after: Sequence | None = None, title: str | None = None,
+                      op: str | None = None,
+                      moves: Sequence[tuple[int, int]] = ()) -> Figure:
+    """Each rank's tensor before (top row) and after (bottom row) an operation.
+
+    `op` labels the step between the rows (e.g. "dist.all_reduce(x)"); `moves` draws an
+    arrow from rank src's "before" panel to rank dst's "after" panel for each (src, dst).
+    """
+    top = _panels(before, owners_before, None)
+    bottom = _panels(after, owners_after, None)
+    _check_width(top + bottom)
+    canvas = _row_layout([top, bottom], ["before", f"after {op}" if op else "after"], title,
+                         max(len(top), len(bottom)), between=0.25)
+    for src, dst in moves:
+        a, b = top[src], bottom[dst]
+        start = (a.x + max(a.width, 1) * canvas.cell / 2, a.y - 0.05)
+        end = (b.x + max(b.width, 1) * canvas.cell / 2,
+               b.y + max(b.height, 1) * canvas.cell + 0.3)
+        canvas.arrow(start, end, rank_color(src))
+    return canvas.fig
+
+
+def show_transfers(tensors: Sequence, moves: Sequence[tuple], owners: Sequence | None = None, *,
+                   title: str | None = None) -> Figure:
+    """Ranks side by side, with an arrow for each message: (src, dst) or (src, dst, label).
+
+    Arrows bend above the panels for messages to a higher rank and below for messages to a
+    lower one, so a ring or an exchange between two ranks stays readable.
+    """
+    panels = _panels(tensors, owners, None)
+    _check_width(panels)
+    labelled = any(len(m) > 2 and m[2] for m in moves)
+    canvas = _row_layout([panels], [None], title, len(panels),
+                         room=ARC + (0.3 if labelled else 0.1))
+    for move in moves:
+        src, dst, label = (*move, None) if len(move) == 2 else move
+        if src == dst:
+            continue
+        a, b = panels[src], panels[dst]
+        forward = dst > src
+        top = max(p.height for p in panels) * canvas.cell
+        y_a = a.y + (top + 0.35 if forward else -0.05)
+        y_b = b.y + (top + 0.35 if forward else -0.05)
+        start = (a.x + max(a.width, 1) * canvas.cell * (0.65 if forward else 0.35), y_a)
+        end = (b.x + max(b.width, 1) * canvas.cell * (0.35 if forward else 0.65), y_b)
+        canvas.arrow(start, end, rank_color(src), depth=ARC, label=label)
+    return canvas.fig
+
+
+def show_cluster(nodes: int, devices_per_node: int, *, title: str | None = None,
+                 device: str = "GPU") -> Figure:
+    """Machines (nodes) as boxes holding their devices, each labelled with its ranks.
+
+    Global rank = node * devices_per_node + local rank: the layout every launcher uses.
+    """
+    if nodes < 1 or devices_per_node < 1:
+        raise ValueError("need at least one node and one device per node")
+    box_w, box_h, pad = 0.92, 0.9, 0.12
+    node_w = devices_per_node * (box_w + pad) + pad
+    node_h = box_h + 2 * pad + 0.3
+    per_row = max(1, int((MAX_WIDTH - 0.6) // (node_w + GAP)))
+    rows = -(-nodes // per_row)
+    width = min(nodes, per_row) * (node_w + GAP) - GAP + 0.6
+    height = rows * (node_h + 0.25) + (0.5 if title else 0.15) + 0.1
+    fig = Figure(figsize=(width, height), dpi=100)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(0, height)
+    ax.set_axis_off()
+    if title:
+        ax.text(0.3, height - 0.12, title, ha="left", va="top", fontsize=FONT + 2)
+    top = height - (0.5 if title else 0.15)
+    for node in range(nodes):
+        nx = 0.3 + (node % per_row) * (node_w + GAP)
+        ny = top - (node // per_row + 1) * (node_h + 0.25) + 0.25
+        ax.add_patch(Rectangle((nx, ny), node_w, node_h, fc="#F7F7F7", ec="#555555", lw=1.2))
+        ax.text(nx + 0.1, ny + node_h - 0.06, f"node {node}", ha="left", va="top",
+                fontsize=FONT, fontweight="bold", color="#333333")
+        for local in range(devices_per_node):
+            rank = node * devices_per_node + local
+            bx = nx + pad + local * (box_w + pad)
+            by = ny + pad
+            ax.add_patch(Rectangle((bx, by), box_w, box_h, fc=tint(rank_color(rank)),
+                                   ec=rank_color(rank), lw=1.4))
+            ax.text(bx + box_w / 2, by + box_h - 0.1, f"{device} {local}", ha="center",
+                    va="top", fontsize=FONT - 1, color="#444444")
+            ax.text(bx + box_w / 2, by + box_h / 2 - 0.04, f"rank {rank}", ha="center",
+                    va="center", fontsize=FONT + 1, fontweight="bold")
+            ax.text(bx + box_w / 2, by + 0.1, f"local_rank {local}", ha="center",
+                    va="bottom", fontsize=FONT - 2, color="#444444")
+    return fig
+
+
+def show_store(entries: Sequence[tuple[str, object, int]], *,
+               title: str | None = None) -> Figure:
+    """A key-value store as a table: (key, value, writer rank), each row in its writer's colour.
+
+    This is what rendezvous is: ranks writing and reading small keys in a shared store.
+    """
+    key_w = max([len(str(k)) for k, _, _ in entries] + [3]) * 0.09 + 0.3
+    val_w = max([len(str(v)) for _, v, _ in entries] + [5]) * 0.09 + 0.3
+    who_w = 1.0
+    row_h = 0.32
+    width = key_w + val_w + who_w + 0.6
+    height = (len(entries) + 1) * row_h + (0.5 if title else 0.15) + 0.15
+    fig = Figure(figsize=(width, height), dpi=100)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(0, height)
+    ax.set_axis_off()
+    if title:
+        ax.text(0.3, height - 0.12, title, ha="left", va="top", fontsize=FONT + 2)
+    y = height - (0.5 if title else 0.15) - row_h
+    columns = ((0.3, key_w, "key"), (0.3 + key_w, val_w, "value"),
+               (0.3 + key_w + val_w, who_w, "written by"))
+    for x, _, name in columns:
+        ax.text(x + 0.1, y + row_h / 2, name, ha="left", va="center", fontsize=FONT,
+                fontweight="bold", color="#333333")
+    for key, value, rank in entries:
+        y -= row_h
+        cells = (str(key), str(value), f"rank {rank}")
+        for (x, w, _), text, mono in zip(columns, cells, (True, True, False), strict=True):
+            ax.add_patch(Rectangle((x, y), w, row_h, fc=tint(rank_color(rank)), ec="white"))
+            ax.text(x + 0.1, y + row_h / 2, text, ha="left", va="center", fontsize=FONT,
+                    family="monospace" if mono else None)
+    return fig

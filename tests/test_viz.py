@@ -1,0 +1,139 @@
+"""The picture language: what a learner sees must say what happened.
+
+nbval does not compare images, so these tests look inside the figures: the values written
+in the cells, the colour of each cell (whose data it holds), labels, legends and sizes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.colors import to_rgb
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+from ddplab import viz
+
+
+@pytest.fixture(autouse=True)
+def no_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+def texts(fig) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].texts]
+
+
+def cell_at(fig, text: str, nth: int = 0):
+    """The background colour of the nth cell showing `text`."""
+    ax = fig.axes[0]
+    hits = [t for t in ax.texts if t.get_text() == text]
+    x, y = hits[nth].get_position()
+    for patch in ax.patches:
+        if isinstance(patch, Rectangle) and patch.get_fill():
+            px, py = patch.get_xy()
+            if px <= x <= px + patch.get_width() and py <= y <= py + patch.get_height():
+                return tuple(round(c, 3) for c in patch.get_facecolor()[:3])
+    raise AssertionError(f"no cell under {text!r}")
+
+
+def colour_of(rank: int):
+    return tuple(round(c, 3) for c in to_rgb(viz.tint(viz.rank_color(rank))))
+
+
+def test_every_rank_has_a_distinct_colour_up_to_twelve():
+    assert len({viz.rank_color(r) for r in range(12)}) == 12
+    assert viz.rank_color(12) == viz.rank_color(0)
+
+
+@pytest.mark.parametrize("value, shown", [(3, "3"), (np.int64(-7), "-7"), (2.0, "2"),
+                                          (0.125, "0.125"), (1 / 3, "0.333"), (True, "T"),
+                                          (123456, "1.2e+05")])
+def test_values_are_written_as_a_learner_reads_them(value, shown):
+    assert viz.format_value(value) == shown
+
+
+def test_show_ranks_draws_one_labelled_panel_per_rank_in_its_colour():
+    fig = viz.show_ranks([torch.arange(3) * (r + 1) for r in range(3)], title="x per rank")
+    shown = texts(fig)
+    assert shown[0] == "x per rank"
+    for r in range(3):
+        assert f"rank {r}" in shown
+    assert cell_at(fig, "6") == colour_of(2)  # rank 2's [0, 3, 6]
+    assert cell_at(fig, "4") == colour_of(1)  # rank 1's [0, 2, 4]
+
+
+def test_owners_colour_cells_by_where_the_data_came_from():
+    after = [torch.tensor([5, 6]), torch.tensor([7, 8])]
+    fig = viz.show_ranks(after, owners=[1, [0, viz.EMPTY_BUFFER]])
+    assert cell_at(fig, "5") == colour_of(1)  # rank 0 holds rank 1's data
+    assert cell_at(fig, "7") == colour_of(0)
+    assert cell_at(fig, "8") == (1.0, 1.0, 1.0)  # an empty buffer is white
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["rank 0's data", "rank 1's data", "empty buffer"]
+
+
+def test_combined_values_carry_a_bar_with_every_source_rank():
+    fig = viz.show_ranks([torch.tensor([6])], owners=[[(0, 1, 2)]])
+    bars = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)
+            and p.get_height() < viz.CELL * 0.5]
+    assert [p.get_facecolor()[:3] for p in bars] == [to_rgb(viz.rank_color(r)) for r in (0, 1, 2)]
+    assert "combined from the ranks in its bar" in [
+        t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_two_d_tensors_are_grids_and_floats_fit():
+    fig = viz.show_ranks([torch.arange(6, dtype=torch.float32).reshape(2, 3) / 4])
+    assert {"0", "0.25", "0.5", "0.75", "1", "1.25"} <= set(texts(fig))
+
+
+def test_before_after_has_both_rows_and_the_operation():
+    before = [torch.tensor([1, 2]), torch.tensor([3, 4])]
+    after = [torch.tensor([4, 6])] * 2
+    fig = viz.show_before_after(before, after, owners_after=[(0, 1)] * 2,
+                                op="dist.all_reduce(x)", moves=[(0, 1), (1, 0)])
+    shown = texts(fig)
+    assert "before" in shown and "after dist.all_reduce(x)" in shown
+    assert shown.count("rank 0") == 2
+    assert len([p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]) == 2
+
+
+def test_transfers_draw_an_arrow_per_message_in_the_senders_colour():
+    fig = viz.show_transfers([torch.zeros(2)] * 3, [(0, 1, "send"), (2, 0)])
+    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    assert [a.get_edgecolor()[:3] for a in arrows] == [to_rgb(viz.rank_color(0)),
+                                                      to_rgb(viz.rank_color(2))]
+    assert "send" in texts(fig)
+
+
+def test_cluster_names_every_rank_with_its_node_and_local_rank():
+    shown = texts(viz.show_cluster(3, 4))
+    assert [f"node {n}" for n in range(3)] == [t for t in shown if t.startswith("node")]
+    assert "rank 11" in shown and shown.count("local_rank 3") == 3
+
+
+def test_store_rows_are_coloured_by_their_writer():
+    fig = viz.show_store([("a", 1, 0), ("b", "x", 2)])
+    assert cell_at(fig, "b") == colour_of(2)
+
+
+def test_sizes_are_fixed_by_content_and_wide_layouts_shrink():
+    small = viz.show_ranks([torch.zeros(4)] * 2)
+    assert small.get_size_inches().tolist() == viz.show_ranks([torch.ones(4)] * 2) \
+        .get_size_inches().tolist()
+    wide = viz.show_ranks([torch.zeros(16)] * 8)  # wraps onto several rows of panels
+    assert wide.get_size_inches()[0] <= viz.MAX_WIDTH
+    assert wide.get_size_inches()[1] > 3 * viz.CELL * 2
+    with pytest.raises(ValueError, match="draw a slice instead"):
+        viz.show_ranks([torch.zeros(1000)])
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match="1-D and 2-D"):
+        viz.show_ranks([torch.zeros(2, 2, 2)])
+    with pytest.raises(ValueError, match="owners has 3 entries for a tensor of 2 values"):
+        viz.show_ranks([torch.zeros(2)], owners=[[0, 1, 2]])
