@@ -48,13 +48,21 @@ from ddplab.output import OutputRouter
 BACKENDS = ("gloo", "nccl")
 INIT_METHODS = ("env", "tcp", "file", None)
 
-_current: weakref.ref[Pool] | None = None
+_started: list[weakref.ref[Pool]] = []  # every pool, oldest first
 
 
 def current_pool() -> Pool | None:
-    """The most recently started pool that is still running (what `%%ranks` uses)."""
-    pool = _current() if _current else None
-    return pool if pool is not None and pool.running else None
+    """The most recently started pool that is still running (what `%%ranks` uses).
+
+    A pool that has been shut down (an exercise check's, say) hands `%%ranks` back to the
+    one started before it.
+    """
+    _started[:] = [ref for ref in _started if ref() is not None]
+    for ref in reversed(_started):
+        pool = ref()
+        if pool is not None and pool.running:
+            return pool
+    return None
 
 
 @dataclass
@@ -172,8 +180,7 @@ class Pool:
             if self._tmpdir:
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
             raise
-        global _current
-        _current = weakref.ref(self)
+        _started.append(weakref.ref(self))
         _enable_magics()
 
     # --- public API ---

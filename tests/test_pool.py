@@ -338,3 +338,12 @@ def test_bad_call_arguments_fail_at_once(pool):
     with pytest.raises(NameError, match="ranks 0, 1 and 2 have no variable 'nope'"):
         pool.pull("nope")
     assert pool.run(rank_sum, 0) == [3, 3, 3]  # nothing was disturbed
+
+
+def test_percent_ranks_goes_back_to_the_previous_pool_when_a_newer_one_stops(pool):
+    from ddplab import current_pool
+
+    assert current_pool() is pool
+    with Pool(1) as checker:
+        assert current_pool() is checker
+    assert current_pool() is pool

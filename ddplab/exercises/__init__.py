@@ -1,0 +1,128 @@
+"""Exercises with automatic checks: the learner writes a function, `check` runs it for real.
+
+In a chapter:
+
+    def whoami():
+        ...                       # the learner's attempt
+
+    check("1.1", whoami)          # runs it on real ranks, says what is wrong and gives a hint
+
+A check never raises at the learner: it returns a `Feedback` that prints as a short
+verdict (✓ or ✗), what was expected and what came back, and a hint that points the way
+without giving the answer. Each chapter's exercises live in their own module
+(`ddplab.exercises.ch01`, ...), registered with `@exercise`. Solutions for instructors are
+in `notebooks/solutions/chNN.py`, as functions named by each exercise's `solution`; the
+test suite proves every solution passes its check and an empty attempt does not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ddplab.errors import RankError
+
+
+@dataclass
+class Feedback:
+    """The verdict on one attempt. Prints as a message for the learner."""
+
+    exercise: str
+    passed: bool
+    message: str
+    hint: str = ""
+
+    def __repr__(self) -> str:
+        if self.passed:
+            return f"✓ Exercise {self.exercise} passed: {self.message}"
+        text = f"✗ Exercise {self.exercise} not yet: {self.message}"
+        return text + (f"\n  Hint: {self.hint}" if self.hint else "")
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+class NotYet(Exception):
+    """Raised inside a checker to fail the attempt with a message (and a hint)."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+@dataclass
+class Exercise:
+    id: str
+    title: str
+    solution: str  # the function's name in notebooks/solutions/chNN.py
+    checker: Callable[[Callable], str]  # returns the success message, or raises NotYet
+    hint: str = ""  # shown when the attempt fails without a more specific hint
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def exercise(id: str, title: str, solution: str, hint: str = ""):
+    """Register a checker: `checker(attempt) -> success message`, raising NotYet if wrong."""
+
+    def register(checker: Callable[[Callable], str]) -> Callable[[Callable], str]:
+        EXERCISES[id] = Exercise(id, title, solution, checker, hint)
+        return checker
+
+    return register
+
+
+def _load_all() -> None:
+    """Import every chapter's module (ch01, ch02, ...), which registers its exercises."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+def check(id: str, attempt: Callable) -> Feedback:
+    """Run the learner's attempt at exercise `id` and say whether it is right, and why not."""
+    _load_all()
+    if id not in EXERCISES:
+        raise KeyError(f"no exercise {id!r}; the exercises are {', '.join(sorted(EXERCISES))}")
+    ex = EXERCISES[id]
+    if not callable(attempt):
+        return Feedback(id, False, f"check({id!r}, ...) needs your function itself, not "
+                                   f"{type(attempt).__name__} {attempt!r}.",
+                        "pass the function's name without calling it: no parentheses.")
+    try:
+        return Feedback(id, True, ex.checker(attempt))
+    except NotYet as no:
+        return Feedback(id, False, no.message, no.hint or ex.hint)
+    except RankError as err:
+        first = err.failures.get(err.root_cause)
+        what = first.headline() if first else str(err).splitlines()[0]
+        return Feedback(id, False, f"your code failed on the ranks: {what}.",
+                        "run it on the pool yourself to see the full traceback; " + ex.hint)
+    except Exception as err:  # the learner's code raised in the notebook itself
+        return Feedback(id, False, f"your code raised {type(err).__name__}: {err}.", ex.hint)
+
+
+@contextmanager
+def ranks(world_size: int, **kwargs):
+    """A pool of the size a checker needs, quiet and short-lived.
+
+    The checker's pool is separate from the learner's, so a check never disturbs the
+    variables of the learner's ranks; its output is not shown (the verdict says it all).
+    """
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from ddplab.pool import Pool
+
+    sink = io.StringIO()
+    with redirect_stdout(sink), redirect_stderr(sink), Pool(world_size, **kwargs) as pool:
+        yield pool
+
+
+def expect(condition: bool, message: str, hint: str = "") -> None:
+    """Fail the attempt with `message` unless `condition` holds."""
+    if not condition:
+        raise NotYet(message, hint)

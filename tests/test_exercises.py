@@ -1,0 +1,55 @@
+"""Every exercise: its solution passes its check, and an empty attempt fails with a hint."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from ddplab.exercises import EXERCISES, Feedback, _load_all, check
+
+SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
+
+_load_all()
+
+
+def solution(exercise_id: str):
+    chapter = f"ch{int(exercise_id.split('.')[0]):02d}"
+    spec = importlib.util.spec_from_file_location(f"solutions_{chapter}",
+                                                  SOLUTIONS / f"{chapter}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, EXERCISES[exercise_id].solution)
+
+
+def empty_attempt(*args, **kwargs):
+    """What a learner's cell holds before they write anything."""
+
+
+def test_each_chapter_so_far_has_at_least_two_exercises():
+    chapters = {ex.split(".")[0] for ex in EXERCISES}
+    for chapter in chapters:
+        assert sum(ex.startswith(f"{chapter}.") for ex in EXERCISES) >= 2, chapter
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_the_solution_passes(exercise_id):
+    feedback = check(exercise_id, solution(exercise_id))
+    assert isinstance(feedback, Feedback)
+    assert feedback.passed, repr(feedback)
+    assert repr(feedback).startswith(f"✓ Exercise {exercise_id} passed")
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_an_empty_attempt_fails_with_a_reason_and_a_hint(exercise_id):
+    feedback = check(exercise_id, empty_attempt)
+    assert not feedback.passed
+    assert feedback.message and feedback.hint, repr(feedback)
+    assert repr(feedback).startswith(f"✗ Exercise {exercise_id} not yet:")
+
+
+def test_check_explains_misuse():
+    assert "without calling it" in check(sorted(EXERCISES)[0], 42).hint
+    with pytest.raises(KeyError, match=r"no exercise '9\.9'"):
+        check("9.9", empty_attempt)
