@@ -148,6 +148,8 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
     # A forked process inherits the server's random state; a rank should not.
     torch.seed()
     random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
 
     rank, local_rank = spec["rank"], spec["local_rank"]
     if spec["backend"] == "nccl":
@@ -159,8 +161,7 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
     namespace.update(torch=torch, dist=dist, rank=rank, world_size=spec["world_size"],
                      local_rank=local_rank, device=device)
 
-    conn = Connection(os.dup(cmd_fd))
-    os.close(cmd_fd)
+    conn = Connection(cmd_fd)
     _answer_control(Connection(ctl_fd))
     while True:
         try:
