@@ -52,10 +52,10 @@ class RankMagics(Magics):
         # the next cell's number while a cell runs).
         number = max(self.shell.compile._filename_map.values(),
                      default=self.shell.execution_count)
-        filename = f"<ranks-cell-{number}>"
+        # Compiled under the name IPython shows, so even a C-level crash dump says it.
+        filename = f"Cell In[{number}]"
         pool.exec_cell(cell, ranks=_parse_ranks(args.ranks), timeout=args.timeout,
-                       stream=args.stream, filename=filename,
-                       display_name=f"Cell In[{number}]",
+                       stream=args.stream, filename=filename, display_name=filename,
                        full_text=f"%%ranks {line}\n{cell}", first_line=2)
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
+from ddplab.tracebacks import display_path
 from ddplab.worker import MARK
 
 _MARK_HEAD = MARK.split(b"%d")[0]
@@ -36,6 +38,15 @@ class _Stream:
     partial_line: str = ""  # stream mode: the unfinished line
     last_mark: int = -1
     closed: bool = False
+
+
+# faulthandler's crash dumps ("  File "/abs/path.py", line 3 in f") name files by absolute
+# path; shorten them as tracebacks are, so a crash report shows no machine paths.
+_DUMP_FRAME = re.compile(r'^(\s*File ")([^"]+)(", line \d+)', re.MULTILINE)
+
+
+def _tidy(text: str) -> str:
+    return _DUMP_FRAME.sub(lambda m: m[1] + display_path(m[2]) + m[3], text)
 
 
 def _rank_order(stream: _Stream) -> tuple[int, int]:
@@ -123,7 +134,7 @@ class OutputRouter:
         stream.partial_line = lines.pop()
         if lines:
             out = sys.stdout if stream.name == "stdout" else sys.stderr
-            out.write("".join(f"[rank {stream.rank}] {line}\n" for line in lines))
+            out.write("".join(f"[rank {stream.rank}] {_tidy(line)}\n" for line in lines))
             out.flush()
 
     def show(self) -> None:
@@ -137,7 +148,7 @@ class OutputRouter:
                     stream.partial_line = ""
             return
         for stream in sorted(self._by_fd.values(), key=_rank_order):
-            text = "".join(stream.text)
+            text = _tidy("".join(stream.text))
             stream.text.clear()
             if not text:
                 continue

@@ -21,6 +21,8 @@ fixed by the content (cells are about 0.45 inch), so pictures look the same ever
 
 from __future__ import annotations
 
+import io
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +44,27 @@ ARC = 0.35  # inches an arrow between panels bows above or below them
 
 Owner = int | tuple[int, ...] | None
 """Whose data a cell holds: a rank, several ranks (a combined value), or None (empty)."""
+
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=fig.dpi)
+    return buf.getvalue()
+
+
+def _register_with_ipython() -> None:
+    """Show figures as PNG in notebooks without pyplot or `%matplotlib inline`.
+
+    The inline backend registers its formatter only once pyplot is imported; these figures
+    never touch pyplot (so they are never shown twice), so they register their own.
+    """
+    if "IPython" not in sys.modules:
+        return
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    if ip is not None:
+        ip.display_formatter.formatters["image/png"].for_type(Figure, _png)
 
 
 def rank_color(rank: int) -> str:
@@ -297,7 +320,8 @@ def _row_layout(rows: list[list[_Panel]], titles: list[str | None], title: str |
     for row, row_title, rh, th in zip(rows, titles, row_heights, row_title_h, strict=True):
         if row_title:
             canvas.ax.text(0.3, y - 0.02, row_title, ha="left", va="top", fontsize=FONT,
-                           color="#444444", style="italic")
+                           color="#444444", style="italic", zorder=5,
+                           bbox={"fc": "white", "ec": "none", "pad": 1.5})
         y -= th + rh
         x = 0.3
         for panel in row:
@@ -355,8 +379,9 @@ def show_transfers(tensors: Sequence, moves: Sequence[tuple], owners: Sequence |
     panels = _panels(tensors, owners, None)
     _check_width(panels)
     labelled = any(len(m) > 2 and m[2] for m in moves)
+    deepest = max((_depth(m[0], m[1]) for m in moves if m[0] != m[1]), default=ARC)
     canvas = _row_layout([panels], [None], title, len(panels),
-                         room=ARC + (0.3 if labelled else 0.1))
+                         room=deepest + (0.3 if labelled else 0.1))
     for move in moves:
         src, dst, label = (*move, None) if len(move) == 2 else move
         if src == dst:
@@ -368,8 +393,13 @@ def show_transfers(tensors: Sequence, moves: Sequence[tuple], owners: Sequence |
         y_b = b.y + (top + 0.35 if forward else -0.05)
         start = (a.x + max(a.width, 1) * canvas.cell * (0.65 if forward else 0.35), y_a)
         end = (b.x + max(b.width, 1) * canvas.cell * (0.35 if forward else 0.65), y_b)
-        canvas.arrow(start, end, rank_color(src), depth=ARC, label=label)
+        canvas.arrow(start, end, rank_color(src), depth=_depth(src, dst), label=label)
     return canvas.fig
+
+
+def _depth(src: int, dst: int) -> float:
+    """Arcs over longer distances bow further, so arrows fanning out of one rank nest."""
+    return ARC * (1 + 0.45 * (abs(dst - src) - 1))
 
 
 def show_cluster(nodes: int, devices_per_node: int, *, title: str | None = None,
@@ -449,3 +479,6 @@ def show_store(entries: Sequence[tuple[str, object, int]], *,
             ax.text(x + 0.1, y + row_h / 2, text, ha="left", va="center", fontsize=FONT,
                     family="monospace" if mono else None)
     return fig
+
+
+_register_with_ipython()

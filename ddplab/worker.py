@@ -142,7 +142,7 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
     with contextlib.suppress(OSError):
         os.chdir(spec["cwd"])
     sys.path[:] = spec["sys_path"]
-    faulthandler.enable(file=sys.stderr)
+    faulthandler.enable(file=sys.stderr, all_threads=False)  # the crashing thread only
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
     torch.set_num_threads(spec["threads"])
     # A forked process inherits the server's random state; a rank should not.

@@ -25,6 +25,7 @@ class Reply:
     stdout: str = ""
     stderr: str = ""
     results: list[str] = field(default_factory=list)
+    mimetypes: list[str] = field(default_factory=list)
     error: dict | None = None
 
 
@@ -54,6 +55,7 @@ class Kernel:
                 setattr(reply, content["name"], getattr(reply, content["name"]) + content["text"])
             elif kind == "execute_result":
                 reply.results.append(content["data"]["text/plain"])
+                reply.mimetypes += sorted(content["data"])
             elif kind == "error":
                 reply.error = content
             elif kind == "status" and content["execution_state"] == "idle":
@@ -129,6 +131,13 @@ def test_a_hang_in_a_cell_reports_the_cell_line(kernel):
     assert "rank 0: waiting in recv() of torch/distributed/distributed_c10d.py" in err["evalue"]
     assert "line 4, in <module>\n    dist.recv(t, src=1)" in err["evalue"]
     assert kernel.value("pool.run(lambda: 2)") == [2, 2]
+
+
+def test_pictures_show_as_png_without_pyplot_or_a_magic(kernel):
+    reply = kernel.run("from ddplab import viz\nviz.show_ranks(pool.run(lambda: [1, 2]))")
+    assert reply.error is None, reply.error
+    assert reply.mimetypes == ["image/png", "text/plain"]
+    assert reply.results[0].startswith("<Figure size ")
 
 
 def test_interrupt_stops_the_call_and_leaves_a_working_pool(kernel):

@@ -19,8 +19,9 @@ from ddplab import viz
 
 @pytest.fixture(autouse=True)
 def no_warnings():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings():  # what matplotlib warns with: user and deprecation
+        for category in (UserWarning, DeprecationWarning, FutureWarning):
+            warnings.simplefilter("error", category)
         yield
 
 
