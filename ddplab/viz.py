@@ -296,10 +296,11 @@ def _wrap(panels: list[_Panel]) -> list[list[_Panel]]:
 
 
 def _row_layout(rows: list[list[_Panel]], titles: list[str | None], title: str | None,
-                legend_ranks: int, between: float = 0.0, room: float = 0.0) -> _Canvas:
+                legend_ranks: int, between: float = 0.0, room_above: float = 0.0,
+                room_below: float = 0.0) -> _Canvas:
     """Place rows of panels top to bottom and return a canvas with them drawn.
 
-    `room` is extra space (inches) above and below the panels, for arrows that arc there.
+    `room_above` / `room_below` are extra space (inches) for arrows that arc there.
     """
     widest = max(sum(max(p.width, 1) for p in row) for row in rows)
     per_row = max(len(row) for row in rows)
@@ -312,9 +313,9 @@ def _row_layout(rows: list[list[_Panel]], titles: list[str | None], title: str |
     title_h = 0.45 if title else 0.1
     row_title_h = [0.3 if t else 0.0 for t in titles]
     height = (title_h + sum(row_heights) + sum(row_title_h) + between * (len(rows) - 1)
-              + legend_h + 0.1 + 2 * room)
+              + legend_h + 0.1 + room_above + room_below)
     canvas = _Canvas(width, height, cell)
-    y = height - title_h - room
+    y = height - title_h - room_above
     if title:
         canvas.ax.text(0.3, height - 0.12, title, ha="left", va="top", fontsize=FONT + 2)
     for row, row_title, rh, th in zip(rows, titles, row_heights, row_title_h, strict=True):
@@ -374,27 +375,47 @@ def show_transfers(tensors: Sequence, moves: Sequence[tuple], owners: Sequence |
     """Ranks side by side, with an arrow for each message: (src, dst) or (src, dst, label).
 
     Arrows bend above the panels for messages to a higher rank and below for messages to a
-    lower one, so a ring or an exchange between two ranks stays readable.
+    lower one; longer ones bow further, and the ends meeting at a panel are spread along
+    its edge so that fanning-out and converging arrows nest instead of crossing.
     """
     panels = _panels(tensors, owners, None)
     _check_width(panels)
-    labelled = any(len(m) > 2 and m[2] for m in moves)
-    deepest = max((_depth(m[0], m[1]) for m in moves if m[0] != m[1]), default=ARC)
-    canvas = _row_layout([panels], [None], title, len(panels),
-                         room=deepest + (0.3 if labelled else 0.1))
-    for move in moves:
-        src, dst, label = (*move, None) if len(move) == 2 else move
-        if src == dst:
-            continue
-        a, b = panels[src], panels[dst]
-        forward = dst > src
-        top = max(p.height for p in panels) * canvas.cell
-        y_a = a.y + (top + 0.35 if forward else -0.05)
-        y_b = b.y + (top + 0.35 if forward else -0.05)
-        start = (a.x + max(a.width, 1) * canvas.cell * (0.65 if forward else 0.35), y_a)
-        end = (b.x + max(b.width, 1) * canvas.cell * (0.35 if forward else 0.65), y_b)
-        canvas.arrow(start, end, rank_color(src), depth=_depth(src, dst), label=label)
+    arrows = [(m[0], m[1], m[2] if len(m) > 2 else None) for m in moves if m[0] != m[1]]
+
+    def room(forward: bool) -> float:
+        mine = [(s, d, label) for s, d, label in arrows if (d > s) == forward]
+        if not mine:
+            return 0.1
+        return max(_depth(s, d) for s, d, _ in mine) + (0.3 if any(m[2] for m in mine) else 0.1)
+
+    canvas = _row_layout([panels], [None], title, len(panels), room_above=room(True),
+                         room_below=room(False))
+    top = max(max(p.height, 1) for p in panels) * canvas.cell + 0.35  # above the titles
+    ends = _spread_ends(panels, arrows, canvas.cell)
+    for i, (src, dst, label) in enumerate(arrows):
+        y = panels[src].y + (top if dst > src else -0.05)
+        canvas.arrow((ends[i, "src"], y), (ends[i, "dst"], y), rank_color(src),
+                     depth=_depth(src, dst), label=label)
     return canvas.fig
+
+
+def _spread_ends(panels: list[_Panel], arrows: list[tuple], cell: float) -> dict:
+    """x of each arrow's two ends: spread along the panel edge, outer arcs outermost."""
+    slots: dict[tuple[int, bool], list[tuple]] = {}
+    for i, (src, dst, _) in enumerate(arrows):
+        forward = dst > src
+        slots.setdefault((src, forward), []).append((dst, src, i, "src"))
+        slots.setdefault((dst, forward), []).append((src, dst, i, "dst"))
+    ends = {}
+    for (rank, _), items in slots.items():
+        # Ends whose other side lies to the left come first; among each group, the farther
+        # the other side, the more outward (left) the end, so longer arcs enclose shorter.
+        items.sort(key=lambda item: (item[0] > item[1], -item[0]))
+        panel = panels[rank]
+        width = max(panel.width, 1) * cell
+        for k, (_, _, i, role) in enumerate(items):
+            ends[i, role] = panel.x + width * (0.2 + 0.6 * (k + 1) / (len(items) + 1))
+    return ends
 
 
 def _depth(src: int, dst: int) -> float:
