@@ -143,6 +143,34 @@ class RankTimeout(RankError, TimeoutError):
     """A pool call did not finish before its deadline; `stuck` says where ranks were."""
 
 
+class _Plain:
+    """How IPython shows a mistake in the learner's own call: `ValueError: message`.
+
+    The frames inside the kit (and their paths on this machine) would only bury the
+    message, which already says what is wrong and how to fix it.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        builtin = next(c for c in type(self).__mro__ if c.__module__ == "builtins")
+        return f"\x1b[31m{builtin.__name__}\x1b[0m: {self}".splitlines()
+
+
+class PoolValueError(_Plain, ValueError):
+    """A bad argument value (world size, backend, ranks, ...); a ValueError."""
+
+
+class PoolTypeError(_Plain, TypeError):
+    """An argument of the wrong type, or one that cannot be sent to the ranks."""
+
+
+class PoolNameError(_Plain, NameError):
+    """`pool.pull` of a variable that some rank does not have."""
+
+
+class PoolClosedError(_Plain, RuntimeError):
+    """A call on a pool that has been shut down."""
+
+
 def ranks_text(ranks) -> str:
     """'rank 2' / 'ranks 0, 1 and 3'."""
     ranks = sorted(ranks)

@@ -36,6 +36,10 @@ import cloudpickle
 
 from ddplab import forkserver, worker
 from ddplab.errors import (
+    PoolClosedError,
+    PoolNameError,
+    PoolTypeError,
+    PoolValueError,
     RankError,
     RankFailure,
     RankTimeout,
@@ -46,6 +50,10 @@ from ddplab.errors import (
 from ddplab.output import OutputRouter
 
 BACKENDS = ("gloo", "nccl")
+# Start-up errors worth a second try with a fresh port: the free port was taken between
+# choosing and binding it, or gloo's loopback mesh lost a connection on a loaded machine.
+_TRANSIENT = ("address already in use", "connectfullmesh failed", "connection closed by peer",
+              "connection refused", "connection reset by peer")
 INIT_METHODS = ("env", "tcp", "file", None)
 
 _started: list[weakref.ref[Pool]] = []  # every pool, oldest first
@@ -104,15 +112,15 @@ def _check_gpus(world_size: int) -> None:
     import torch.distributed as dist
 
     if not dist.is_nccl_available():
-        raise ValueError("backend='nccl' is not available in this build of torch. Use "
+        raise PoolValueError("backend='nccl' is not available in this build of torch. Use "
                          "backend='gloo' (CPU), or install a CUDA build of torch.")
     if not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs NVIDIA GPUs, and torch sees none here "
+        raise PoolValueError("backend='nccl' needs NVIDIA GPUs, and torch sees none here "
                          "(torch.cuda.is_available() is False). Use backend='gloo' to run on "
                          "the CPU, or run on a machine with GPUs and a CUDA build of torch.")
     gpus = torch.cuda.device_count()
     if gpus < world_size:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: Pool({world_size}) needs "
+        raise PoolValueError(f"backend='nccl' needs one GPU per rank: Pool({world_size}) needs "
                          f"{world_size} GPUs but {gpus} are visible. Use "
                          f"Pool({gpus}, backend='nccl'), or backend='gloo' for {world_size} "
                          "ranks on the CPU.")
@@ -141,18 +149,18 @@ class Pool:
     def __init__(self, world_size: int, backend: str = "gloo", init_method: str | None = "env",
                  timeout: float = 60.0, threads: int = 1) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int):
-            raise TypeError(f"world_size must be a positive int, not {world_size!r}")
+            raise PoolTypeError(f"world_size must be a positive int, not {world_size!r}")
         if world_size <= 0:
-            raise ValueError(f"world_size must be at least 1, not {world_size}")
+            raise PoolValueError(f"world_size must be at least 1, not {world_size}")
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}: choose 'gloo' (CPU) or 'nccl' "
+            raise PoolValueError(f"unknown backend {backend!r}: choose 'gloo' (CPU) or 'nccl' "
                              "(one GPU per rank)")
         if init_method not in INIT_METHODS:
-            raise ValueError(f"unknown init_method {init_method!r}: choose 'env', 'tcp', "
+            raise PoolValueError(f"unknown init_method {init_method!r}: choose 'env', 'tcp', "
                              "'file', or None (start processes only)")
         self._timeout = self._check_timeout(timeout)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive int, not {threads!r}")
+            raise PoolValueError(f"threads must be a positive int, not {threads!r}")
         if backend == "nccl":
             _check_gpus(world_size)
 
@@ -208,7 +216,7 @@ class Pool:
         """
         __tracebackhide__ = True
         if not callable(fn):
-            raise TypeError(f"pool.run needs a function to call on the ranks, not "
+            raise PoolTypeError(f"pool.run needs a function to call on the ranks, not "
                             f"{type(fn).__name__} {fn!r}")
         targets = self._check_ranks(ranks)
         results = self._call(fn, args, kwargs, targets, timeout, stream)
@@ -220,14 +228,14 @@ class Pool:
         values = {**(values or {}), **kwargs}
         for name in values:
             if not name.isidentifier():
-                raise ValueError(f"push: {name!r} is not a valid variable name")
+                raise PoolValueError(f"push: {name!r} is not a valid variable name")
         self._call(worker.set_vars, (values,), {}, list(range(self.world_size)), None, False)
 
     def pull(self, name: str, ranks: Iterable[int] | int | None = None) -> Any:
         """Fetch a variable from every rank's namespace: a list by rank (dict with `ranks`)."""
         __tracebackhide__ = True
         if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"pull: {name!r} is not a variable name")
+            raise PoolValueError(f"pull: {name!r} is not a variable name")
         targets = self._check_ranks(ranks)
         found = self._call(worker.get_var, (name,), {}, targets, None, False)
         missing = [r for r in targets if not found[r][0]]
@@ -235,7 +243,7 @@ class Pool:
             have = [r for r in targets if found[r][0]]
             verb = "has" if len(have) == 1 else "have"
             where = f" ({ranks_text(have)} {verb} it)" if have else ""
-            raise NameError(f"pull({name!r}): {ranks_text(missing)} "
+            raise PoolNameError(f"pull({name!r}): {ranks_text(missing)} "
                             f"{'has' if len(missing) == 1 else 'have'} no variable "
                             f"{name!r}{where}. Define it in a %%ranks cell or with "
                             f"pool.push({name}=...).")
@@ -294,7 +302,7 @@ class Pool:
     # --- starting and stopping ranks ---
 
     def _start(self) -> None:
-        """Fork the ranks and join their process group; retried if a port was taken."""
+        """Fork the ranks and join their process group; transient failures are retried."""
         for attempt in range(3):
             self._generation += 1
             rendezvous = self._rendezvous()
@@ -311,7 +319,7 @@ class Pool:
                 return
             self._kill()
             text = " ".join(f.message for f in outcome.failures.values()).lower()
-            if "address already in use" in text and attempt < 2:
+            if attempt < 2 and any(sign in text for sign in _TRANSIENT):
                 continue
             if outcome.interrupted:
                 raise KeyboardInterrupt
@@ -441,7 +449,7 @@ class Pool:
         try:
             payload = cloudpickle.dumps((fn, args, kwargs, sources))
         except Exception as e:
-            raise TypeError(f"could not send {getattr(fn, '__name__', fn)!r} and its arguments "
+            raise PoolTypeError(f"could not send {getattr(fn, '__name__', fn)!r} and its arguments "
                             f"to the ranks: {e}. Everything passed to a pool must be "
                             "picklable; create objects such as locks, files or open "
                             "connections inside the function instead.") from None
@@ -535,7 +543,7 @@ class Pool:
 
     def _ensure_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this pool has been shut down; start a new one with Pool(...)")
+            raise PoolClosedError("this pool has been shut down; start a new one with Pool(...)")
 
     def _check_ranks(self, ranks) -> list[int]:
         if ranks is None:
@@ -545,21 +553,21 @@ class Pool:
         try:
             targets = list(ranks)
         except TypeError:
-            raise TypeError(f"ranks must be a list of rank numbers, not {ranks!r}") from None
+            raise PoolTypeError(f"ranks must be a list of rank numbers, not {ranks!r}") from None
         bad = [r for r in targets
                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size]
         if bad or not targets:
-            raise ValueError(f"ranks={ranks!r}: this pool has ranks 0..{self.world_size - 1}"
+            raise PoolValueError(f"ranks={ranks!r}: this pool has ranks 0..{self.world_size - 1}"
                              + (f"; {bad} {'is' if len(bad) == 1 else 'are'} out of range"
                                 if bad else "; give at least one"))
         if len(set(targets)) != len(targets):
-            raise ValueError(f"ranks={ranks!r} names a rank twice")
+            raise PoolValueError(f"ranks={ranks!r} names a rank twice")
         return sorted(targets)
 
     @staticmethod
     def _check_timeout(timeout) -> float:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+            raise PoolValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         return float(timeout)
 
 

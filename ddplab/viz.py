@@ -262,6 +262,11 @@ class _Canvas:
                            handlelength=1.5, columnspacing=1.2)
 
 
+def _title_width(title: str | None) -> float:
+    """Inches a title needs (about 0.1 inch a character at its size), plus the margins."""
+    return len(title) * 0.1 + 0.6 if title else 0.0
+
+
 def _readable(color: str) -> tuple[float, float, float]:
     """The rank colour, darkened enough to read as text on white (yellow especially)."""
     rgb = np.array([int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
@@ -306,8 +311,8 @@ def _row_layout(rows: list[list[_Panel]], titles: list[str | None], title: str |
     per_row = max(len(row) for row in rows)
     cell = _cell_size(widest, GAP * (per_row - 1) + 0.6)
     row_heights = [max(max(p.height, 1) for p in row) * cell + 0.35 for row in rows]
-    width = max(sum(max(p.width, 1) * cell for p in row) + GAP * (len(row) - 1)
-                for row in rows) + 0.6
+    width = max(max(sum(max(p.width, 1) * cell for p in row) + GAP * (len(row) - 1)
+                    for row in rows) + 0.6, _title_width(title))
     entries = legend_ranks + 2  # at most: each rank, "combined", "empty"
     legend_h = 0.15 + 0.28 * -(-entries // max(1, int(width // 2.4)))
     title_h = 0.45 if title else 0.1
@@ -436,7 +441,7 @@ def show_cluster(nodes: int, devices_per_node: int, *, title: str | None = None,
     node_h = box_h + 2 * pad + 0.3
     per_row = max(1, int((MAX_WIDTH - 0.6) // (node_w + GAP)))
     rows = -(-nodes // per_row)
-    width = min(nodes, per_row) * (node_w + GAP) - GAP + 0.6
+    width = max(min(nodes, per_row) * (node_w + GAP) - GAP + 0.6, _title_width(title))
     height = rows * (node_h + 0.25) + (0.5 if title else 0.15) + 0.1
     fig = Figure(figsize=(width, height), dpi=100)
     ax = fig.add_axes((0, 0, 1, 1))
@@ -477,7 +482,7 @@ def show_store(entries: Sequence[tuple[str, object, int]], *,
     val_w = max([len(str(v)) for _, v, _ in entries] + [5]) * 0.09 + 0.3
     who_w = 1.0
     row_h = 0.32
-    width = key_w + val_w + who_w + 0.6
+    width = max(key_w + val_w + who_w + 0.6, _title_width(title))
     height = (len(entries) + 1) * row_h + (0.5 if title else 0.15) + 0.15
     fig = Figure(figsize=(width, height), dpi=100)
     ax = fig.add_axes((0, 0, 1, 1))

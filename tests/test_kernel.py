@@ -123,6 +123,16 @@ def test_errors_show_every_rank_with_the_cells_own_names_and_lines(kernel):
     assert kernel.value("pool.run(lambda: 1)") == [1, 1]
 
 
+def test_a_bad_argument_shows_just_the_message(kernel):
+    reply = kernel.run("Pool(0)")
+    assert reply.error["ename"] == "PoolValueError"
+    shown = "\n".join(reply.error["traceback"])
+    assert shown.endswith("ValueError\x1b[0m: world_size must be at least 1, not 0")
+    assert "ddplab/" not in shown
+    assert kernel.run("try:\n    Pool(0)\nexcept ValueError:\n    print('caught')").stdout \
+        == "caught\n"
+
+
 def test_a_hang_in_a_cell_reports_the_cell_line(kernel):
     reply = kernel.run("%%ranks -t 2\nt = torch.zeros(1)\nif rank == 0:\n"
                        "    dist.recv(t, src=1)")

@@ -133,6 +133,20 @@ def test_sizes_are_fixed_by_content_and_wide_layouts_shrink():
         viz.show_ranks([torch.zeros(1000)])
 
 
+@pytest.mark.parametrize("draw", [
+    lambda t: viz.show_ranks([[1]], title=t),
+    lambda t: viz.show_store([("k", 1, 0)], title=t),
+    lambda t: viz.show_cluster(1, 1, title=t),
+])
+def test_the_picture_is_wide_enough_for_its_title(draw):
+    title = "a title much wider than the small picture drawn under it, on purpose"
+    fig = draw(title)
+    fig.canvas.draw()
+    text = next(t for t in fig.axes[0].texts if t.get_text() == title)
+    right = text.get_window_extent().x1 / fig.dpi
+    assert right <= fig.get_size_inches()[0]
+
+
 def test_bad_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="1-D and 2-D"):
         viz.show_ranks([torch.zeros(2, 2, 2)])
