@@ -268,6 +268,12 @@ def _child(spec: dict, fds: list[int], closing: list[int]) -> None:
 
 
 def serve(sock_fd: int, lifeline_fd: int) -> None:
+    """Run the server until the kernel goes; a kernel gone mid-message is no error."""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        _serve(sock_fd, lifeline_fd)
+
+
+def _serve(sock_fd: int, lifeline_fd: int) -> None:
     """The server's loop: fork on request, report exits, leave when the kernel goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=sock_fd)

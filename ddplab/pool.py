@@ -339,9 +339,10 @@ class Pool:
 
     def _fork_ranks(self, rendezvous: dict) -> None:
         server = forkserver.get()
+        # What torchrun sets on a single node: a pool never spans machines.
         base_env = dict(os.environ, **rendezvous["env"], WORLD_SIZE=str(self.world_size),
-                        LOCAL_WORLD_SIZE=str(self.world_size),
-                        OMP_NUM_THREADS=str(self.threads))
+                        LOCAL_WORLD_SIZE=str(self.world_size), GROUP_RANK="0",
+                        GROUP_WORLD_SIZE="1", OMP_NUM_THREADS=str(self.threads))
         for index in range(self.world_size):
             cmd, cmd_theirs = socket.socketpair()
             ctl, ctl_theirs = socket.socketpair()

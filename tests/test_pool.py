@@ -271,8 +271,12 @@ def test_init_methods(method):
 def test_init_method_none_leaves_the_group_to_the_notebook():
     with Pool(2, init_method=None) as p:
         env = p.run(lambda: {k: os.environ[k] for k in
-                             ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
+                             ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                              "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")})
         assert [e["RANK"] for e in env] == ["0", "1"]
+        assert [e["LOCAL_RANK"] for e in env] == ["0", "1"]
+        assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"],
+                 e["GROUP_WORLD_SIZE"]) for e in env} == {("2", "2", "0", "1")}
         assert env[0]["MASTER_ADDR"] == "127.0.0.1" and env[0]["MASTER_PORT"].isdigit()
         assert p.run(dist.is_initialized) == [False, False]
         p.run(lambda: dist.init_process_group("gloo"))
