@@ -186,7 +186,8 @@ def _panels(tensors: Sequence, owners, labels) -> list[_Panel]:
 class _Canvas:
     """Inches-based drawing on one Axes that fills the whole figure."""
 
-    def __init__(self, width: float, height: float, cell: float) -> None:
+    def __init__(self, width: float, height: float, cell: float,
+                 title: str | None = None) -> None:
         self.cell = cell
         self.fig = Figure(figsize=(width, height), dpi=100)
         self.ax = self.fig.add_axes((0, 0, 1, 1))
@@ -194,6 +195,8 @@ class _Canvas:
         self.ax.set_ylim(0, height)
         self.ax.set_axis_off()
         self.owners_seen: set = set()
+        if title:
+            self.ax.text(0.3, height - 0.12, title, ha="left", va="top", fontsize=FONT + 2)
 
     def grid(self, panel: _Panel) -> None:
         c = self.cell
@@ -319,10 +322,8 @@ def _row_layout(rows: list[list[_Panel]], titles: list[str | None], title: str |
     row_title_h = [0.3 if t else 0.0 for t in titles]
     height = (title_h + sum(row_heights) + sum(row_title_h) + between * (len(rows) - 1)
               + legend_h + 0.1 + room_above + room_below)
-    canvas = _Canvas(width, height, cell)
+    canvas = _Canvas(width, height, cell, title)
     y = height - title_h - room_above
-    if title:
-        canvas.ax.text(0.3, height - 0.12, title, ha="left", va="top", fontsize=FONT + 2)
     for row, row_title, rh, th in zip(rows, titles, row_heights, row_title_h, strict=True):
         if row_title:
             canvas.ax.text(0.3, y - 0.02, row_title, ha="left", va="top", fontsize=FONT,
@@ -443,13 +444,8 @@ def show_cluster(nodes: int, devices_per_node: int, *, title: str | None = None,
     rows = -(-nodes // per_row)
     width = max(min(nodes, per_row) * (node_w + GAP) - GAP + 0.6, _title_width(title))
     height = rows * (node_h + 0.25) + (0.5 if title else 0.15) + 0.1
-    fig = Figure(figsize=(width, height), dpi=100)
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, height)
-    ax.set_axis_off()
-    if title:
-        ax.text(0.3, height - 0.12, title, ha="left", va="top", fontsize=FONT + 2)
+    canvas = _Canvas(width, height, CELL, title)
+    fig, ax = canvas.fig, canvas.ax
     top = height - (0.5 if title else 0.15)
     for node in range(nodes):
         nx = 0.3 + (node % per_row) * (node_w + GAP)
@@ -484,13 +480,8 @@ def show_store(entries: Sequence[tuple[str, object, int]], *,
     row_h = 0.32
     width = max(key_w + val_w + who_w + 0.6, _title_width(title))
     height = (len(entries) + 1) * row_h + (0.5 if title else 0.15) + 0.15
-    fig = Figure(figsize=(width, height), dpi=100)
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, height)
-    ax.set_axis_off()
-    if title:
-        ax.text(0.3, height - 0.12, title, ha="left", va="top", fontsize=FONT + 2)
+    canvas = _Canvas(width, height, CELL, title)
+    fig, ax = canvas.fig, canvas.ax
     y = height - (0.5 if title else 0.15) - row_h
     columns = ((0.3, key_w, "key"), (0.3 + key_w, val_w, "value"),
                (0.3 + key_w + val_w, who_w, "written by"))

@@ -104,7 +104,8 @@ def check_ring_shift(attempt: Callable) -> str:
 
 # --- 3.2 gather by hand ---
 
-def _gather_on_rank(attempt: Callable):
+def _on_own_int_data(attempt: Callable):
+    """Runs on each rank: the attempt called with that rank's int tensor."""
     import torch.distributed as dist
 
     return attempt(_data(dist.get_rank(), "int"))
@@ -117,7 +118,7 @@ def _gather_on_rank(attempt: Callable):
 def check_gather_to_zero(attempt: Callable) -> str:
     for world_size in (3, 4):
         with ranks(world_size) as pool:
-            got = _run(pool, _gather_on_rank, attempt)
+            got = _run(pool, _on_own_int_data, attempt)
         want = [_data(r, "int") for r in range(world_size)]
         on_zero = got[0]
         expect(isinstance(on_zero, (list, tuple)),
@@ -145,12 +146,6 @@ def check_gather_to_zero(attempt: Callable) -> str:
 
 # --- 3.3 all-gather around the ring ---
 
-def _all_gather_on_rank(attempt: Callable):
-    import torch.distributed as dist
-
-    return attempt(_data(dist.get_rank(), "int"))
-
-
 @exercise("3.3", "All-gather around the ring", solution="ring_all_gather",
           hint="pass tensors to the right world_size - 1 times, like the ring in this "
                "chapter; after step k you hold the tensor of rank (rank - k) % world_size, "
@@ -158,7 +153,7 @@ def _all_gather_on_rank(attempt: Callable):
 def check_ring_all_gather(attempt: Callable) -> str:
     for world_size in (3, 4):
         with ranks(world_size) as pool:
-            got = _run(pool, _all_gather_on_rank, attempt)
+            got = _run(pool, _on_own_int_data, attempt)
         want = [_data(r, "int") for r in range(world_size)]
         for rank, value in enumerate(got):
             expect(isinstance(value, (list, tuple)) and len(value) == world_size,
