@@ -48,10 +48,10 @@ def _spawn_rank(rank: int, world_size: int, port: int) -> None:
 def _sample_spawn(world_size: int) -> float:
     import torch.multiprocessing as mp
 
-    from ddplab.pool import _free_port
+    from ddplab.pool import free_port
 
     t0 = time.perf_counter()
-    mp.spawn(_spawn_rank, args=(world_size, _free_port()), nprocs=world_size)
+    mp.spawn(_spawn_rank, args=(world_size, free_port()), nprocs=world_size)
     return time.perf_counter() - t0
 
 

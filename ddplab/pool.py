@@ -95,7 +95,8 @@ class _Outcome:
     interrupted: bool = False
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -328,7 +329,7 @@ class Pool:
                                    f"{self.init_method!r}) could not be initialized.")
 
     def _rendezvous(self) -> dict:
-        port = _free_port()
+        port = free_port()
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         if self.init_method == "tcp":
             return {"env": env, "url": f"tcp://127.0.0.1:{port}"}

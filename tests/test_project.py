@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import nbformat
 import pytest
 
 from ddplab.cli import main
+from ddplab.pool import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "ddplab-test"
@@ -48,19 +48,13 @@ def test_environment_yml_matches_pyproject() -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> tuple[int, str, bytes]:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return resp.status, resp.headers.get("Content-Type", ""), resp.read()
 
 
 def test_lab_serves_notebooks(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     # Keep the user's Jupyter config, runtime files and workspaces out of the test.
     env = dict(

@@ -13,21 +13,15 @@ import datetime
 import os
 import secrets
 import shutil
-import socket
 import tempfile
 import time
 
 from ddplab.errors import RankTimeout, ranks_text
 from ddplab.exercises import NotYet, exercise, expect, ranks
+from ddplab.pool import free_port
 
 _WORLD = 3
 _CALL_TIMEOUT = 15  # seconds a checker waits for the learner's code on the ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _int_value(value):
@@ -73,7 +67,7 @@ def check_rendezvous_by_hand(rendezvous_by_hand) -> str:
     with ranks(_WORLD, init_method=None) as pool:
         pool.run(_without_master_port)
         for _ in range(2):
-            url = f"tcp://127.0.0.1:{_free_port()}"
+            url = f"tcp://127.0.0.1:{free_port()}"
             try:
                 got = pool.run(rendezvous_by_hand, url, timeout=_CALL_TIMEOUT)
             except RankTimeout:
@@ -136,7 +130,7 @@ def _arrive_on_rank(arrive, port: int):
 def check_arrive(arrive) -> str:
     with ranks(_WORLD, init_method=None) as pool:
         try:
-            got = pool.run(_arrive_on_rank, arrive, _free_port(), timeout=_CALL_TIMEOUT)
+            got = pool.run(_arrive_on_rank, arrive, free_port(), timeout=_CALL_TIMEOUT)
         except RankTimeout:
             raise _waited_too_long(
                 "at least one rank", "wait until the counter reaches world_size, not more: "
