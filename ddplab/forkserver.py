@@ -166,6 +166,12 @@ class ForkServer:
                 if msg[0] == "exit":
                     self.exits[msg[1]] = msg[2]
 
+    def forget(self, pids) -> None:
+        """Drop the exit reports of ranks nobody will ask about (a pool killed them)."""
+        self.poll_exits()
+        for pid in pids:
+            self.exits.pop(pid, None)
+
     def wait_exit(self, pid: int, timeout: float) -> int | None:
         """The wait status of a rank that has ended, or None if it is not known in time."""
         deadline = time.monotonic() + timeout
@@ -213,6 +219,11 @@ def _lifeline() -> int:
     if _lifeline_fds is None:
         _lifeline_fds = os.pipe()
     return _lifeline_fds[0]
+
+
+def running() -> ForkServer | None:
+    """This process's forkserver handle if one was started; never starts one."""
+    return _server if _server is not None and _server.alive() else None
 
 
 def get() -> ForkServer:

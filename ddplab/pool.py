@@ -287,8 +287,6 @@ class Pool:
             if self._tmpdir:
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-    close = shutdown
-
     def __enter__(self) -> Pool:
         return self
 
@@ -385,10 +383,9 @@ class Pool:
             rank.ctl.close()
         self._output.close_all()
         self._output = OutputRouter()
-        server = forkserver.get()
-        server.poll_exits()
-        for pid in self._pids:
-            server.exits.pop(pid, None)
+        server = forkserver.running()  # never start one just to tidy up
+        if server is not None:
+            server.forget(self._pids)
         self._ranks.clear()
         self._pids.clear()
         if self._tmpdir:

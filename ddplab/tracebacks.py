@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import sysconfig
+import threading
 import traceback
 from collections.abc import Iterable, Mapping
 
@@ -120,8 +121,6 @@ def describe_stack(frame) -> tuple[str, str]:
 
 def current_main_stack() -> tuple[str, str]:
     """describe_stack for this process's main thread (called from another thread)."""
-    import threading
-
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return "not running Python code", ""

@@ -51,7 +51,8 @@ namespace: dict = {}
 _spec: dict = {}
 """What the pool said this rank is: rank, world size, backend, init method, ..."""
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+_LIBC_PATH = ctypes.util.find_library("c")
+_libc = ctypes.CDLL(_LIBC_PATH) if _LIBC_PATH else None  # to flush C stdio buffers
 
 
 # --- set-up ---

@@ -351,3 +351,12 @@ def test_percent_ranks_goes_back_to_the_previous_pool_when_a_newer_one_stops(poo
     with Pool(1) as checker:
         assert current_pool() is checker
     assert current_pool() is pool
+
+
+def test_shutting_down_never_starts_a_forkserver():
+    """At interpreter exit the forkserver may stop before a pool does; tidying up must not
+    start a fresh one."""
+    p = Pool(1)
+    forkserver.get().stop()
+    p.shutdown()
+    assert forkserver.running() is None

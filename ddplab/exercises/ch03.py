@@ -102,6 +102,22 @@ def check_ring_shift(attempt: Callable) -> str:
             "without a deadlock.")
 
 
+def _expect_every_tensor(value, want: list, rank: int, placement_hint: str) -> None:
+    """What `rank` returned must be the list of every rank's tensor, in rank order."""
+    world_size = len(want)
+    expect(isinstance(value, (list, tuple)),
+           f"with {world_size} ranks, rank {rank} returned {_show(value)}; expected a list "
+           f"of {world_size} tensors, one per rank in rank order: {[t.tolist() for t in want]}.")
+    expect(len(value) == world_size,
+           f"with {world_size} ranks, rank {rank} returned a list of {len(value)} items; "
+           f"expected {world_size}, one per rank (its own included).",
+           f"rank {rank}'s own tensor belongs in the list too, at index {rank}.")
+    for r, (item, expected) in enumerate(zip(value, want, strict=True)):
+        expect(_same(item, expected),
+               f"with {world_size} ranks, item {r} of rank {rank}'s list is {_show(item)}; "
+               f"expected rank {r}'s tensor {_show(expected)}.", placement_hint)
+
+
 # --- 3.2 gather by hand ---
 
 def _on_own_int_data(attempt: Callable):
@@ -120,22 +136,10 @@ def check_gather_to_zero(attempt: Callable) -> str:
         with ranks(world_size) as pool:
             got = _run(pool, _on_own_int_data, attempt)
         want = [_data(r, "int") for r in range(world_size)]
-        on_zero = got[0]
-        expect(isinstance(on_zero, (list, tuple)),
-               f"with {world_size} ranks, rank 0 returned {_show(on_zero)}; expected a list "
-               f"of {world_size} tensors, one per rank in rank order: "
-               f"{[t.tolist() for t in want]}.")
-        expect(len(on_zero) == world_size,
-               f"with {world_size} ranks, rank 0 returned a list of {len(on_zero)} items; "
-               f"expected {world_size}, one per rank (its own included).",
-               "rank 0's own tensor belongs in the list too, at index 0.")
-        for r, (value, expected) in enumerate(zip(on_zero, want, strict=True)):
-            expect(_same(value, expected),
-                   f"with {world_size} ranks, item {r} of rank 0's list is {_show(value)}; "
-                   f"expected rank {r}'s tensor {_show(expected)}.",
-                   "put each tensor at the index of the rank that sent it, and use a fresh "
-                   "buffer for every recv (reusing one buffer leaves every item pointing "
-                   "at the last message).")
+        _expect_every_tensor(got[0], want, 0,
+                             "put each tensor at the index of the rank that sent it, and use a "
+                             "fresh buffer for every recv (reusing one buffer leaves every item "
+                             "pointing at the last message).")
         for r in range(1, world_size):
             expect(got[r] is None,
                    f"with {world_size} ranks, rank {r} returned {_show(got[r])}; expected "
@@ -156,15 +160,8 @@ def check_ring_all_gather(attempt: Callable) -> str:
             got = _run(pool, _on_own_int_data, attempt)
         want = [_data(r, "int") for r in range(world_size)]
         for rank, value in enumerate(got):
-            expect(isinstance(value, (list, tuple)) and len(value) == world_size,
-                   f"with {world_size} ranks, rank {rank} returned {_show(value)}; expected "
-                   f"a list of {world_size} tensors, one per rank in rank order: "
-                   f"{[t.tolist() for t in want]}.")
-            for r, (item, expected) in enumerate(zip(value, want, strict=True)):
-                expect(_same(item, expected),
-                       f"with {world_size} ranks, item {r} of rank {rank}'s list is "
-                       f"{_show(item)}; expected rank {r}'s tensor {_show(expected)}.",
-                       "a tensor that has travelled k steps around the ring came from rank "
-                       "(rank - k) % world_size: put it at that index, and receive every "
-                       "step into a fresh buffer.")
+            _expect_every_tensor(value, want, rank,
+                                 "a tensor that has travelled k steps around the ring came "
+                                 "from rank (rank - k) % world_size: put it at that index, and "
+                                 "receive every step into a fresh buffer.")
     return "every rank ended with every rank's tensor, in rank order, with 3 and with 4 ranks."
