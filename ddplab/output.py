@@ -45,7 +45,15 @@ class _Stream:
 _DUMP_FRAME = re.compile(r'^(\s*File ")([^"]+)(", line \d+)', re.MULTILINE)
 
 
+# torch's C++ log lines start "[rank0]:[E1121 05:00:26.545108378 ProcessGroupGloo.cpp:67] ":
+# the rank is already in the header and the time differs at every run, so keep only the
+# level and the source line ("[E ProcessGroupGloo.cpp:67] "): outputs stay comparable.
+_C10_LOG = re.compile(r"^(?:\[rank\d+\]:)?\[([DIWEF])\d{4} [\d:.]+ (?:\d+ )?([^\]\s]+)\] ",
+                      re.MULTILINE)
+
+
 def _tidy(text: str) -> str:
+    text = _C10_LOG.sub(r"[\1 \2] ", text)
     return _DUMP_FRAME.sub(lambda m: m[1] + display_path(m[2]) + m[3], text)
 
 

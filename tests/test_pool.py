@@ -89,6 +89,14 @@ def test_output_is_grouped_by_rank_and_caught_at_fd_level(pool, capfd):
     assert err == "".join(f"[rank {r}]\nerr {r}\n" for r in range(3))
 
 
+def test_torch_log_lines_lose_their_timestamps(pool, capfd):
+    """c10's "[rank0]:[E1121 05:00:26.545108378 File.cpp:67] " prefix differs every run."""
+    line = "[rank{r}]:[E1121 05:00:26.545108378 ProcessGroupGloo.cpp:67] Rank {r} late\n"
+    pool.run(lambda: os.write(2, line.format(r=dist.get_rank()).encode()), ranks=[1])
+    _, err = capfd.readouterr()
+    assert err == "[rank 1]\n[E ProcessGroupGloo.cpp:67] Rank 1 late\n"
+
+
 def test_stream_prefixes_lines(pool, capfd):
     pool.exec_cell("print('a'); print('b', end='')", stream=True, ranks=[1])
     out, _ = capfd.readouterr()
