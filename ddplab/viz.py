@@ -11,7 +11,9 @@ the values written in them (1-D tensors as a row, 2-D as a grid). Layouts:
 
 - `show_ranks(tensors)`: one row of panels, one per rank;
 - `show_before_after(before, after)`: the same, before and after an operation;
-- `show_transfers(tensors, moves)`: panels with arrows for data sent from rank to rank.
+- `show_transfers(tensors, moves)`: panels with arrows for data sent from rank to rank;
+- `show_cluster`, `show_store`, `show_mesh`: nodes and their devices, a rendezvous store,
+  and a 2-D device mesh with the groups along each of its dimensions.
 
 Functions take plain tensors, arrays or lists (no pool needed, so they are easy to test) and
 return a `matplotlib.figure.Figure`; in a notebook, a cell ending with one shows it. Figures
@@ -466,6 +468,62 @@ def show_cluster(nodes: int, devices_per_node: int, *, title: str | None = None,
             ax.text(bx + box_w / 2, by + 0.1, f"local_rank {local}", ha="center",
                     va="bottom", fontsize=FONT - 2, color="#444444")
     return fig
+
+
+def show_mesh(mesh: Sequence[Sequence[int]], *, dim_names: Sequence[str] = ("dim 0", "dim 1"),
+              title: str | None = None) -> Figure:
+    """A 2-D device mesh: `mesh[i][j]` is the rank at coordinates (i, j).
+
+    Ranks that share a row form one group along dimension 1 and are joined by solid
+    links; ranks that share a column form one group along dimension 0, joined by dashed
+    links. Each group is named at the end of its row or column, so the picture answers
+    "who talks to whom along each dimension" (what `DeviceMesh.get_group(dim)` returns).
+    """
+    grid = [[int(r) for r in row] for row in mesh]
+    if not grid or not grid[0] or any(len(row) != len(grid[0]) for row in grid):
+        raise ValueError("mesh must be a non-empty 2-D list of ranks with rows of equal length")
+    if len(dim_names) != 2:
+        raise ValueError(f"a 2-D mesh needs two dim_names, got {len(dim_names)}")
+    dim0, dim1 = (str(name) for name in dim_names)
+    rows, cols = len(grid), len(grid[0])
+    box_w, box_h, hgap, vgap = 1.1, 0.8, 0.9, 0.75
+    label_w = max(len(f"{dim1} group {grid[0]}"), 10) * 0.085 + 0.3
+    width = max(0.3 + cols * box_w + (cols - 1) * hgap + 0.3 + label_w, _title_width(title))
+    height = (0.55 if title else 0.2) + rows * box_h + (rows - 1) * vgap + 0.75
+    canvas = _Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    top = height - (0.55 if title else 0.2)
+
+    def corner(i: int, j: int) -> tuple[float, float]:
+        return 0.3 + j * (box_w + hgap), top - (i + 1) * box_h - i * vgap
+
+    link = {"color": "#444444", "lw": 2.2, "solid_capstyle": "butt"}
+    for i in range(rows):
+        for j in range(cols):
+            x, y = corner(i, j)
+            rank = grid[i][j]
+            ax.add_patch(Rectangle((x, y), box_w, box_h, fc=tint(rank_color(rank)),
+                                   ec=rank_color(rank), lw=1.6))
+            ax.text(x + box_w / 2, y + box_h * 0.6, f"rank {rank}", ha="center",
+                    va="center", fontsize=FONT + 1, fontweight="bold")
+            ax.text(x + box_w / 2, y + box_h * 0.22, f"({i}, {j})", ha="center",
+                    va="center", fontsize=FONT - 1, color="#444444")
+            if j + 1 < cols:  # along dimension 1: solid, to the right neighbour
+                ax.plot([x + box_w, x + box_w + hgap], [y + box_h / 2] * 2, **link)
+                ax.text(x + box_w + hgap / 2, y + box_h / 2 + 0.06, dim1, ha="center",
+                        va="bottom", fontsize=FONT - 1, color="#444444")
+            if i + 1 < rows:  # along dimension 0: dashed, to the neighbour below
+                ax.plot([x + box_w / 2] * 2, [y, y - vgap], ls=(0, (3, 2)), **link)
+                ax.text(x + box_w / 2 + 0.08, y - vgap / 2, dim0, ha="left", va="center",
+                        fontsize=FONT - 1, color="#444444")
+        x, y = corner(i, cols - 1)
+        ax.text(x + box_w + 0.3, y + box_h / 2, f"{dim1} group {grid[i]}", ha="left",
+                va="center", fontsize=FONT, color="#333333")
+    for j in range(cols):
+        x, y = corner(rows - 1, j)
+        ax.text(x + box_w / 2, y - 0.15, f"{dim0} group\n{[row[j] for row in grid]}",
+                ha="center", va="top", fontsize=FONT, color="#333333")
+    return canvas.fig
 
 
 def show_store(entries: Sequence[tuple[str, object, int]], *,

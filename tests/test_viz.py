@@ -122,6 +122,19 @@ def test_store_rows_are_coloured_by_their_writer():
     assert cell_at(fig, "b") == colour_of(2)
 
 
+def test_mesh_names_the_group_along_each_dimension():
+    fig = viz.show_mesh([[0, 1], [2, 3]], dim_names=("dp", "tp"))
+    shown = texts(fig)
+    assert [t for t in shown if t.startswith("tp group")] == ["tp group [0, 1]",
+                                                               "tp group [2, 3]"]
+    assert [t for t in shown if t.startswith("dp group")] == ["dp group\n[0, 2]",
+                                                               "dp group\n[1, 3]"]
+    assert shown.count("tp") == 2 and shown.count("dp") == 2  # one link per neighbour pair
+    assert "(1, 0)" in shown
+    with pytest.raises(ValueError, match="rows of equal length"):
+        viz.show_mesh([[0, 1], [2]])
+
+
 def test_sizes_are_fixed_by_content_and_wide_layouts_shrink():
     small = viz.show_ranks([torch.zeros(4)] * 2)
     assert small.get_size_inches().tolist() == viz.show_ranks([torch.ones(4)] * 2) \
@@ -137,6 +150,7 @@ def test_sizes_are_fixed_by_content_and_wide_layouts_shrink():
     lambda t: viz.show_ranks([[1]], title=t),
     lambda t: viz.show_store([("k", 1, 0)], title=t),
     lambda t: viz.show_cluster(1, 1, title=t),
+    lambda t: viz.show_mesh([[0]], title=t),
 ])
 def test_the_picture_is_wide_enough_for_its_title(draw):
     title = "a title much wider than the small picture drawn under it, on purpose"
