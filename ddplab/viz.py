@@ -48,7 +48,7 @@ Owner = int | tuple[int, ...] | None
 """Whose data a cell holds: a rank, several ranks (a combined value), or None (empty)."""
 
 
-def _png(fig: Figure) -> bytes:
+def png_bytes(fig: Figure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=fig.dpi)
     return buf.getvalue()
@@ -66,7 +66,7 @@ def _register_with_ipython() -> None:
 
     ip = get_ipython()
     if ip is not None:
-        ip.display_formatter.formatters["image/png"].for_type(Figure, _png)
+        ip.display_formatter.formatters["image/png"].for_type(Figure, png_bytes)
 
 
 def rank_color(rank: int) -> str:

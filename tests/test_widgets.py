@@ -1,0 +1,124 @@
+"""The collective explorer, driven through its widget objects on a real pool (no kernel).
+
+Each collective's result is checked against the answer computed here with plain torch
+from the same inputs, so the explorer can't draw a picture of something that didn't happen.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddplab import Pool
+from ddplab.collectives import COLLECTIVES, Spec, make_input
+from ddplab.widgets import CollectiveExplorer
+
+WORLD = 3
+PNG = b"\x89PNG"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Pool(WORLD) as p:
+        yield p
+
+
+@pytest.fixture
+def explorer(pool):
+    return CollectiveExplorer(pool)
+
+
+def expected(spec: Spec) -> list[list | None]:
+    """What each rank should hold after `spec`, computed without torch.distributed."""
+    inputs = [make_input(spec, r, WORLD) for r in range(WORLD)]
+    reduce = {"SUM": lambda t: t.sum(0), "MAX": lambda t: t.amax(0),
+              "MIN": lambda t: t.amin(0), "PRODUCT": lambda t: t.prod(0),
+              "AVG": lambda t: t.mean(0)}[spec.op]
+    root, name = spec.root, spec.collective
+    if name == "broadcast":
+        return [inputs[root].tolist()] * WORLD
+    if name == "all_reduce":
+        return [reduce(torch.stack(inputs)).tolist()] * WORLD
+    if name == "reduce":
+        return [reduce(torch.stack(inputs)).tolist() if r == root else None
+                for r in range(WORLD)]
+    if name == "gather":
+        return [torch.stack(inputs).tolist() if r == root else None for r in range(WORLD)]
+    if name == "all_gather":
+        return [torch.stack(inputs).tolist()] * WORLD
+    if name == "scatter":
+        return [inputs[root][r].tolist() for r in range(WORLD)]
+    if name == "reduce_scatter":
+        return [reduce(torch.stack([x[r] for x in inputs])).tolist() for r in range(WORLD)]
+    return [torch.stack([x[r] for x in inputs]).tolist() for r in range(WORLD)]  # all_to_all
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_each_collective_runs_for_real_and_matches_plain_torch(explorer, collective):
+    op = "AVG" if collective == "reduce" else "MAX"
+    explorer.show(collective=collective, op=op, root=1, length=2, values="random ints",
+                  seed=7)
+    result = explorer.result
+    assert result.spec == Spec(collective, op, 1, 2, "random ints", 7)
+    got = [a.tolist() if a.numel() else None for a in result.after]
+    assert got == expected(result.spec)
+    assert bytes(explorer.image.value).startswith(PNG)
+    assert explorer.error is None
+
+
+def test_changing_a_control_reruns_and_redraws(explorer):
+    first_picture = explorer.image.value
+    assert "rank 0: [0, 1, 2, 3] → [12, 15, 18, 21]" in explorer.tensors.value
+    explorer.op.value = "MAX"
+    assert "rank 0: [0, 1, 2, 3] → [8, 9, 10, 11]" in explorer.tensors.value
+    assert bytes(explorer.image.value).startswith(PNG) and explorer.image.value != first_picture
+    explorer.values.value = "one-hot"
+    assert explorer.result.after[0].tolist() == [1, 1, 1, 0]
+    assert explorer.code.value == "<code>dist.all_reduce(x, op=dist.ReduceOp.MAX)</code>"
+
+
+def test_controls_that_do_not_apply_are_disabled(explorer):
+    explorer.collective.value = "all_gather"
+    assert explorer.op.disabled and explorer.root.disabled and explorer.seed.disabled
+    explorer.collective.value = "reduce"
+    assert not explorer.op.disabled and not explorer.root.disabled
+    explorer.values.value = "random ints"
+    assert not explorer.seed.disabled
+
+
+def test_avg_runs_on_floats_and_bitwise_ops_on_integers(explorer):
+    explorer.show(collective="all_reduce", op="AVG", values="rank + 1", length=1)
+    assert explorer.result.after[0].tolist() == [2.0]
+    explorer.show(op="BOR", values="one-hot", length=3)
+    assert explorer.result.after[0].dtype == torch.int64
+    assert explorer.result.after[0].tolist() == [1, 1, 1]
+
+
+def test_show_sets_everything_at_once_and_returns_the_picture(explorer):
+    fig = explorer.show(collective="scatter", root=2, length=3)
+    assert explorer.collective.value == "scatter" and explorer.root.value == 2
+    assert [t.get_text() for t in fig.axes[0].texts].count("after dist.scatter(src=2)") == 1
+    assert repr(explorer) == ("CollectiveExplorer(scatter, op=SUM, root=2, length=3, "
+                              "values='arange', 3 ranks)")
+
+
+def test_bad_settings_are_clear_errors(pool, explorer):
+    with pytest.raises(ValueError, match=r"root 5: this pool has ranks 0\.\.2"):
+        explorer.show(root=5)
+    with pytest.raises(ValueError, match=r"choose 1\.\.8 values"):
+        CollectiveExplorer(pool, Spec(length=40))
+    with pytest.raises(ValueError, match="collective 'allreduce': choose one of"):
+        explorer.show(collective="allreduce")
+
+
+def test_a_failing_collective_is_shown_in_the_panel_not_raised(pool, explorer):
+    pool.run(dist.destroy_process_group)
+    try:
+        assert explorer.update() is None
+        assert "Default process group has not been initialized" in explorer.error
+        assert "Default process group" in explorer.tensors.value
+        assert bytes(explorer.image.value) == b""
+    finally:
+        pool.restart()
+    assert explorer.update() is not None
