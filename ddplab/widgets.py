@@ -67,7 +67,10 @@ class CollectiveExplorer(widgets.VBox):
         self.seed = widgets.IntText(value=spec.seed, description="seed",
                                     layout=widgets.Layout(width="160px"))
         self.code = widgets.HTML()
-        self.image = widgets.Image(format="png")
+        # A VBox stretches its children to its width; the picture keeps its own size
+        # (cells of the same size as in the chapters' figures), shrinking only to fit.
+        self.image = widgets.Image(format="png", layout=widgets.Layout(
+            align_self="flex-start", max_width="100%"))
         self.tensors = widgets.HTML()
         for control in self._controls:
             control.observe(self._changed, names="value")

@@ -1,0 +1,193 @@
+"""The collective explorer in a real JupyterLab, in a real (headless) Chromium.
+
+`test_widgets.py` drives the widget objects in-process; this test checks what only a
+browser can: that the lab's front end renders the panel, that choosing a collective in
+the dropdown reaches the kernel, runs on the ranks and comes back as a new picture and new
+tensors, and that closing the lab leaves no rank behind.
+
+It needs Debian's `chromium` and `chromium-driver` (CI's `.ci/run` installs them and sets
+DDPLAB_REQUIRE_BROWSER=1, which turns a missing browser into a failure, not a skip).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from ddplab.pool import free_port
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+TOKEN = "ddplab-browser-test"
+
+if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+    if os.environ.get("DDPLAB_REQUIRE_BROWSER"):
+        raise RuntimeError("DDPLAB_REQUIRE_BROWSER is set but chromium/chromedriver are "
+                           "missing: apt-get install chromium chromium-driver")
+    pytest.skip("needs chromium and chromium-driver (apt-get install chromium "
+                "chromium-driver)", allow_module_level=True)
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+CELL = """\
+from ddplab import Pool
+from ddplab.widgets import CollectiveExplorer
+
+pool = Pool(2)
+CollectiveExplorer(pool)"""
+
+
+@pytest.fixture
+def lab(tmp_path: Path):
+    """`ddplab lab` serving a notebook that shows the explorer; yields (url, server)."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL)])
+    nb.metadata["kernelspec"] = {"display_name": "Python 3 (ipykernel)",
+                                 "language": "python", "name": "python3"}
+    nbformat.write(nb, notebooks / "explorer.ipynb")
+    port = free_port()
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
+    log = open(tmp_path / "lab.log", "wb")  # noqa: SIM115 (closed in the teardown)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ddplab.cli", "lab", "--no-browser", "--port", str(port),
+         f"--IdentityProvider.token={TOKEN}", "--ServerApp.port_retries=0"],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(f"{base}/api/status?token={TOKEN}", server, tmp_path / "lab.log")
+        yield f"{base}/lab/tree/explorer.ipynb?token={TOKEN}", server
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+        log.close()
+
+
+def _wait_for(url: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"ddplab lab exited with {server.returncode}:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    pytest.fail(f"ddplab lab did not answer in 60 s:\n{log.read_text()}")
+
+
+@pytest.fixture
+def browser(tmp_path: Path):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--window-size=1400,1000",
+                 f"--user-data-dir={tmp_path / 'chromium'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options,
+                              service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _click_menu(driver, *labels: str) -> None:
+    """Open the menu bar item labels[0], then click each following item by its label."""
+    wait = WebDriverWait(driver, 30)
+    menu = wait.until(lambda d: next(
+        (e for e in d.find_elements(By.CSS_SELECTOR, ".lm-MenuBar-itemLabel")
+         if e.text == labels[0]), None))
+    menu.click()
+    for label in labels[1:]:
+        wait.until(lambda d, label=label: next(
+            (e for e in d.find_elements(By.CSS_SELECTOR, ".lm-Menu-itemLabel")
+             if e.text == label), None)).click()
+
+
+def _run_all_cells(driver) -> None:
+    """Run All Cells from the menu, again if the lab was not ready to take it yet.
+
+    Right after the page loads, the notebook's commands may still be disabled; the click
+    then does nothing, so check that the cell started (its prompt shows [*] or [1]).
+    """
+    def started(d) -> bool:
+        prompts = d.find_elements(By.CSS_SELECTOR, ".jp-InputArea-prompt")
+        return any(p.text.strip() in ("[*]:", "[1]:") for p in prompts)
+
+    for _ in range(6):
+        driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)  # close any menu
+        _click_menu(driver, "Run", "Run All Cells")
+        try:
+            WebDriverWait(driver, 10).until(started)
+            return
+        except TimeoutException:
+            continue
+    raise AssertionError("Run All Cells never started the notebook's cell")
+
+
+def _panel_text(driver) -> str:
+    return " ".join(e.text for e in driver.find_elements(By.CSS_SELECTOR,
+                                                         ".widget-html-content pre"))
+
+
+def test_the_explorer_runs_collectives_from_a_real_lab(lab, browser, tmp_path):
+    url, server = lab
+    browser.get(url)
+    wait = WebDriverWait(browser, 90)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell"))
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator"
+                                                          "[data-status='idle']")
+               or d.find_elements(By.XPATH, "//*[contains(text(), 'Idle')]"))
+    _run_all_cells(browser)
+
+    # The panel renders, with the first run's result: all_reduce SUM of arange on 2 ranks.
+    wait.until(lambda d: "rank 0: [0, 1, 2, 3] → [4, 6, 8, 10]" in _panel_text(d))
+    picture = browser.find_element(By.CSS_SELECTOR, ".jupyter-widgets img")
+    first_src = picture.get_attribute("src")
+    assert browser.execute_script("return arguments[0].naturalWidth", picture) > 300
+
+    # Choosing another collective in the dropdown runs it on the ranks and redraws.
+    dropdown = next(d for d in browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown")
+                    if d.text.startswith("collective"))
+    Select(dropdown.find_element(By.TAG_NAME, "select")).select_by_visible_text(
+        "reduce_scatter")
+    expected = "rank 0: [[0, 1, 2, 3], [4, 5, 6, 7]] → [8, 10, 12, 14]"
+    wait.until(lambda d: expected in _panel_text(d))
+    assert "rank 1: [[8, 9, 10, 11], [12, 13, 14, 15]] → [16, 18, 20, 22]" in \
+        _panel_text(browser)
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".jupyter-widgets img")
+               .get_attribute("src") != first_src)
+    code = browser.find_element(By.CSS_SELECTOR, ".widget-html-content code")
+    assert code.text == "dist.reduce_scatter(x, chunks)"
+    browser.save_screenshot(str(tmp_path / "explorer.png"))
+
+    ranks = [p for p in psutil.Process(server.pid).children(recursive=True)
+             if "ipykernel" not in " ".join(p.cmdline())]
+    assert ranks, "the kernel's pool should have rank processes while the lab runs"
+    server.send_signal(signal.SIGTERM)
+    server.wait(timeout=30)
+    _, alive = psutil.wait_procs(ranks, timeout=15)
+    assert not alive, f"ranks left behind after the lab closed: {alive}"
