@@ -142,6 +142,42 @@ def _run_execute(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+# --- ddplab doctor ---------------------------------------------------------------------------
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="report the environment and probe which operation works on which backend",
+        description=(
+            "Print Python, torch, CPUs, GPUs, NCCL and the backends this torch was built with, "
+            "then start real ranks for each backend and device, run every operation once and "
+            "check its result: a support matrix, and where it disagrees with the table in the "
+            "torch.distributed documentation. A probe that fails is a finding, not an error: "
+            "the command exits 0."
+        ),
+    )
+    p.add_argument("--world-size", type=int, default=2, metavar="N",
+                   help="ranks per backend and device (default: 2)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="time limit for each probe (default: 5)")
+    p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
+                   help="probe only this backend: gloo, nccl, mpi or ucc (repeatable)")
+    p.set_defaults(handler=_run_doctor, passthrough=False)
+
+
+def _run_doctor(args: argparse.Namespace, extra: list[str]) -> int:
+    from ddplab.doctor import report
+
+    try:
+        found = report(backends=args.backends, world_size=args.world_size, timeout=args.timeout)
+    except ValueError as exc:  # a bad option value, caught before anything is started
+        print(f"ddplab doctor: {exc}", file=sys.stderr)
+        return 2
+    print(found)
+    return 0
+
+
 # --- the command -----------------------------------------------------------------------------
 
 # One entry per subcommand: an `_add_<name>(sub)` that builds its parser and sets `handler`
@@ -150,6 +186,7 @@ def _run_execute(args: argparse.Namespace, extra: list[str]) -> int:
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_lab,
     _add_execute,
+    _add_doctor,
 )
 
 
