@@ -1,0 +1,283 @@
+"""Chapter 4 exercises: collectives (all_reduce, all_gather, reduce_scatter and friends).
+
+Every check runs the learner's function on real ranks of its own short-lived pool, at two
+world sizes, with tensors the learner has not seen, and with a short deadline: an attempt
+in which the ranks do not make the same collective calls (one rank skips a call, or makes
+an extra one) fails within seconds instead of hanging the notebook. Where an exercise rules
+out a collective, the check watches for it on the ranks: the call still works, but the
+verdict says it was used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+from ddplab.errors import RankTimeout, ranks_text
+from ddplab.exercises import NotYet, exercise, expect, ranks
+
+DEADLINE = 5.0
+"""Seconds an attempt may take on the ranks: correct answers take milliseconds."""
+
+MATCH_HINT = ("every rank must make the same collective calls, in the same order, with "
+              "tensors of the same shape and dtype. A call that only some ranks make (inside "
+              "an `if rank == ...`, or in a loop that runs a different number of times on "
+              "different ranks) leaves the others waiting for it.")
+
+
+def _run(pool, fn: Callable, *args) -> list:
+    """pool.run with the exercise's deadline; a hang becomes a NotYet that says where."""
+    try:
+        return pool.run(fn, *args, timeout=DEADLINE)
+    except RankTimeout as err:
+        places = sorted({stuck.headline.split(" of ")[0] for stuck in err.stuck.values()})
+        if places and all(place.startswith("waiting in ") for place in places):
+            where = "waiting in " + " or ".join(p.removeprefix("waiting in ") for p in places)
+        else:
+            where = "running"
+        raise NotYet(f"your function did not finish within {DEADLINE:g} s: "
+                     f"{ranks_text(err.stuck)} {'was' if len(err.stuck) == 1 else 'were'} "
+                     f"still {where}. The ranks did not make the same collective calls.",
+                     MATCH_HINT) from None
+
+
+def _show(value) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.tolist()}, dtype={str(value.dtype).removeprefix('torch.')})"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_show(item) for item in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return repr(value)
+
+
+def _same(got, want) -> bool:
+    import torch
+
+    return (isinstance(got, torch.Tensor) and got.shape == want.shape
+            and got.dtype == want.dtype and torch.equal(got, want))
+
+
+@contextmanager
+def _watch(names: tuple[str, ...]):
+    """On a rank: count the calls to `dist.<name>` while the attempt runs (they still work)."""
+    import torch.distributed as dist
+
+    calls: dict[str, int] = {}
+    saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def watched(name, original):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+        return call
+
+    for name, original in saved.items():
+        setattr(dist, name, watched(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+
+def _attempt_on_rank(attempt: Callable, tensors: list, watch: tuple[str, ...] = ()):
+    """Runs on each rank: the attempt called with this rank's tensor.
+
+    Returns (what the attempt returned, the calls watched, whether its input is unchanged).
+    """
+    import torch.distributed as dist
+
+    mine = tensors[dist.get_rank()]
+    given = mine.clone()
+    with _watch(watch) as calls:
+        value = attempt(given)
+    return value, calls, _same(given, mine)
+
+
+def _forbidden_used(got: list, world_size: int, rule: str, hint: str) -> None:
+    for rank, (_, calls, _) in enumerate(got):
+        if calls:
+            used = " and ".join(f"dist.{name}" for name in sorted(calls))
+            raise NotYet(f"the result is right, but with {world_size} ranks rank {rank} "
+                         f"called {used}, which this exercise rules out: {rule}.", hint)
+
+
+def _scalar(value):
+    """A Python number from a number or a one-element tensor; None if it is neither."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else None
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    return None
+
+
+def _tensors(rows: list, dtype: str) -> list:
+    import torch
+
+    return [torch.tensor(row, dtype=getattr(torch, dtype)) for row in rows]
+
+
+# --- 4.1 the global max and the rank that holds it ---
+
+# world size -> cases: (dtype, each rank's values). Lengths differ between ranks on purpose.
+MAX_CASES = {
+    2: [("float32", [[0.5, -2.25, 1.75], [3.5, 0.25]])],
+    4: [("int64", [[4, 17, 9], [17, 2], [-3, 11, 5, 8], [16]]),
+        ("float32", [[-7.5, -2.0], [-3.25], [-1.5, -9.0, -4.0], [-6.0, -1.5]]),
+        ("int64", [[-5, 3], [2, 0, 1], [6, -1], [7, 7, 2]])],
+}
+
+
+@exercise("4.1", "The global max and the rank that holds it", solution="global_max",
+          hint="two collective calls are enough: one for the ranks to agree on the value, "
+               "one to agree on the rank. Think about which ReduceOp each needs, and about "
+               "what a rank that does not hold the maximum should put in for the second.")
+def check_global_max(attempt: Callable) -> str:
+    for world_size, cases in MAX_CASES.items():
+        with ranks(world_size) as pool:
+            for dtype, rows in cases:
+                tensors = _tensors(rows, dtype)
+                best = max(max(row) for row in rows)
+                owner = min(r for r, row in enumerate(rows) if best in row)
+                holders = [r for r, row in enumerate(rows) if best in row]
+                want = (best, owner)
+                got = _run(pool, _attempt_on_rank, attempt, tensors)
+                where = f"with {world_size} ranks ({dtype} tensors {rows})"
+                for rank, (value, _, _) in enumerate(got):
+                    expect(isinstance(value, (tuple, list)) and len(value) == 2,
+                           f"{where}, rank {rank} returned {_show(value)}; expected the "
+                           f"pair (value, rank) = {want} on every rank.",
+                           "return a pair: `return value, owner`.")
+                    v, o = _scalar(value[0]), _scalar(value[1])
+                    expect(v is not None and o is not None,
+                           f"{where}, rank {rank} returned {_show(value)}; expected two "
+                           f"numbers, {want}.",
+                           "turn one-element tensors into numbers with .item().")
+                    expect(v == best,
+                           f"{where}, rank {rank} returned the value {v!r}; expected "
+                           f"{best!r}, the largest value of all ranks.",
+                           "every value may be negative: start from the values themselves, "
+                           "not from 0." if best < 0 and v == 0 else "")
+                    expect(o == owner,
+                           f"{where}, rank {rank} returned ({v!r}, {o!r}), naming rank "
+                           f"{o!r}; but {best!r} is held "
+                           + (f"by rank {owner}." if len(holders) == 1 else
+                              f"by ranks {ranks_text(holders).removeprefix('ranks ')}, "
+                              f"and the lowest of them, {owner}, counts."),
+                           "if several ranks hold the maximum, the lowest of them wins."
+                           if len(holders) > 1 else "")
+    return ("every rank agreed on the largest value and the rank holding it, with 2 and 4 "
+            "ranks, negative values and ties included.")
+
+
+# --- 4.2 all_gather built from broadcasts ---
+
+GATHER_RULE = "use dist.broadcast, and no all_gather or all_to_all in any form"
+GATHER_FORBIDDEN = ("all_gather", "all_gather_single", "all_gather_into_tensor",
+                    "all_gather_object", "all_to_all", "all_to_all_single")
+GATHER_CASES = {
+    3: [("int64", [[7, -2, 40], [3, 3, 9], [-8, 15, 1]])],
+    4: [("float32", [[[1.5, -2.0], [0.25, 8.0]], [[-3.5, 4.0], [6.0, 0.5]],
+                     [[9.0, 9.0], [-1.25, 2.0]], [[0.0, -7.5], [5.5, 3.0]]])],
+}
+
+
+@exercise("4.2", "all_gather built from broadcasts", solution="all_gather_by_broadcast",
+          hint="every rank has something to share, and broadcast shares one rank's tensor "
+               "with all the others. Let each rank have its turn as the source, and give "
+               "every turn a buffer of its own.")
+def check_all_gather_by_broadcast(attempt: Callable) -> str:
+    for world_size, cases in GATHER_CASES.items():
+        with ranks(world_size) as pool:
+            for dtype, rows in cases:
+                tensors = _tensors(rows, dtype)
+                got = _run(pool, _attempt_on_rank, attempt, tensors,
+                           (*GATHER_FORBIDDEN, "broadcast"))
+                where = f"with {world_size} ranks ({dtype} tensors)"
+                for rank, (value, _, unchanged) in enumerate(got):
+                    expect(unchanged,
+                           f"{where}, rank {rank}'s own tensor t was changed by your "
+                           "function; all_gather leaves its input as it is.",
+                           "broadcast writes into its tensor on the receiving ranks: receive "
+                           "into new buffers, and broadcast t itself only when it is your "
+                           "turn to send.")
+                    expect(isinstance(value, (list, tuple)) and len(value) == world_size,
+                           f"{where}, rank {rank} returned {_show(value)}; expected a list "
+                           f"of {world_size} tensors, one per rank in rank order (its own "
+                           "included).")
+                    shared = len({id(item) for item in value}) < len(value)
+                    for r, (item, want) in enumerate(zip(value, tensors, strict=True)):
+                        others = [k for k, other in enumerate(tensors) if _same(item, other)]
+                        expect(_same(item, want),
+                               f"{where}, item {r} of rank {rank}'s list is {_show(item)}; "
+                               f"expected rank {r}'s tensor {_show(want)}.",
+                               "broadcast writes into the tensor it is given on every rank "
+                               "but the source: one shared buffer ends up holding the last "
+                               "broadcast only. Make a fresh buffer for each source."
+                               if shared else
+                               f"that is rank {others[0]}'s tensor: item k of the list must "
+                               "be the tensor broadcast by rank k." if others else "")
+                watched = [dict(calls) for _, calls, _ in got]
+                for calls in watched:
+                    calls.pop("broadcast", None)
+                _forbidden_used([(None, calls, True) for calls in watched], world_size,
+                                GATHER_RULE, "")
+                expect(all(calls.get("broadcast") for _, calls, _ in got),
+                       f"the result is right, but with {world_size} ranks some ranks never "
+                       f"called dist.broadcast; the rule: {GATHER_RULE}.",
+                       "build it from dist.broadcast calls.")
+    return ("every rank got every rank's tensor in rank order, from broadcasts alone, with 3 "
+            "and 4 ranks.")
+
+
+# --- 4.3 reduce_scatter by hand ---
+
+SCATTER_RULE = "any collective but dist.reduce_scatter in any form"
+SCATTER_FORBIDDEN = ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor")
+SCATTER_CASES = {
+    2: [("int64", [[3, -1, 4, 1, 5, 9], [2, 6, -5, 3, 5, 8]])],
+    3: [("float32", [[0.5, 2.0, -1.0, 4.0, 3.5, 0.0], [1.0, -2.5, 6.0, 0.5, 1.0, 2.0],
+                     [7.0, 0.25, -3.0, 1.5, 0.5, -4.0]])],
+}
+
+
+@exercise("4.3", "reduce_scatter by hand", solution="reduce_scatter_by_hand",
+          hint="rank r's answer is piece r of the sum of every rank's t. Which collective of "
+               "this chapter gives every rank the whole sum? Or: which one brings piece r of "
+               "every rank's t to rank r, where you can add the pieces up yourself?")
+def check_reduce_scatter_by_hand(attempt: Callable) -> str:
+    import torch
+
+    for world_size, cases in SCATTER_CASES.items():
+        with ranks(world_size) as pool:
+            for dtype, rows in cases:
+                tensors = _tensors(rows, dtype)
+                total = torch.stack(tensors).sum(0)
+                piece = total.numel() // world_size
+                got = _run(pool, _attempt_on_rank, attempt, tensors, SCATTER_FORBIDDEN)
+                where = f"with {world_size} ranks ({dtype} tensors of {total.numel()} values)"
+                for rank, (value, _, unchanged) in enumerate(got):
+                    want = total[rank * piece:(rank + 1) * piece]
+                    hint = ""
+                    if isinstance(value, torch.Tensor) and value.numel() == total.numel():
+                        hint = (f"return only your piece: {piece} values, piece `rank` of "
+                                "the sum.")
+                    elif isinstance(value, torch.Tensor) and value.dtype != want.dtype:
+                        hint = "keep the dtype of t."
+                    expect(_same(value, want),
+                           f"{where}, rank {rank} returned {_show(value)}; expected piece "
+                           f"{rank} of the sum, {_show(want)}.", hint)
+                    expect(unchanged,
+                           f"{where}, rank {rank}'s tensor t was changed by your function; "
+                           "like dist.reduce_scatter, it must only produce its result.",
+                           "collectives such as all_reduce work in place: give them a "
+                           "copy (t.clone()), not t itself.")
+                _forbidden_used(got, world_size, SCATTER_RULE, "")
+    return ("every rank got its piece of the sum, with 2 ranks (int64) and 3 ranks "
+            "(float32), without dist.reduce_scatter.")
