@@ -679,17 +679,16 @@ def _probe_op(pool: Any, op: Op, device: str, timeout: float) -> Cell:
 
 @contextlib.contextmanager
 def _pool(world_size: int, backend: str, timeout: float, show_output: bool) -> Iterator[Any]:
-    """A pool for one column: quiet (the exercises' checker pool) unless output is wanted.
+    """A pool for one column: quiet unless output is wanted.
 
     The process group's own timeout is kept well above the per-call `timeout`, so that a
     probe that hangs is always ended by the pool (which rebuilds itself) rather than by a
     backend error raised at nearly the same moment, which would read differently each run.
     """
-    from ddplab.exercises import ranks
-    from ddplab.pool import Pool
+    from ddplab.pool import Pool, quiet_pool
 
     kwargs = {"backend": backend, "timeout": max(30.0, 3 * timeout)}
-    with (Pool(world_size, **kwargs) if show_output else ranks(world_size, **kwargs)) as pool:
+    with (Pool(world_size, **kwargs) if show_output else quiet_pool(world_size, **kwargs)) as pool:
         pool.error_grace = _ERROR_GRACE
         yield pool
 

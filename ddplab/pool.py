@@ -570,6 +570,22 @@ class Pool:
         return float(timeout)
 
 
+@contextlib.contextmanager
+def quiet_pool(world_size: int, **kwargs):
+    """A short-lived pool whose ranks' output is not shown, for checks and probes.
+
+    Exercise checkers and `ddplab doctor` run code the learner did not write in this cell;
+    their own pool keeps the learner's ranks (and variables) untouched, and only their
+    verdict, not the ranks' chatter, belongs in the cell.
+    """
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    sink = io.StringIO()
+    with redirect_stdout(sink), redirect_stderr(sink), Pool(world_size, **kwargs) as pool:
+        yield pool
+
+
 def _cell_names() -> dict[str, str]:
     """IPython's cell filenames -> "Cell In[N]", so ranks name cells as IPython does."""
     ip = _ipython()

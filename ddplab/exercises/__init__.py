@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ddplab.errors import RankError
@@ -105,21 +104,15 @@ def check(id: str, attempt: Callable) -> Feedback:
         return Feedback(id, False, f"your code raised {type(err).__name__}: {err}.", ex.hint)
 
 
-@contextmanager
 def ranks(world_size: int, **kwargs):
-    """A pool of the size a checker needs, quiet and short-lived.
+    """A pool of the size a checker needs, quiet and short-lived (see `quiet_pool`).
 
     The checker's pool is separate from the learner's, so a check never disturbs the
     variables of the learner's ranks; its output is not shown (the verdict says it all).
     """
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
+    from ddplab.pool import quiet_pool
 
-    from ddplab.pool import Pool
-
-    sink = io.StringIO()
-    with redirect_stdout(sink), redirect_stderr(sink), Pool(world_size, **kwargs) as pool:
-        yield pool
+    return quiet_pool(world_size, **kwargs)
 
 
 def expect(condition: bool, message: str, hint: str = "") -> None:
