@@ -53,3 +53,20 @@ def test_check_explains_misuse():
     assert "without calling it" in check(sorted(EXERCISES)[0], 42).hint
     with pytest.raises(KeyError, match=r"no exercise '9\.9'"):
         check("9.9", empty_attempt)
+
+
+def _reduces_on_rank_0_only(t):
+    """A classic mismatch: only rank 0 makes the collective call."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    return 1, 0
+
+
+def test_a_hanging_attempt_is_a_verdict_within_the_deadline():
+    feedback = check("4.1", _reduces_on_rank_0_only)
+    assert not feedback.passed
+    assert feedback.message.startswith("your function did not finish within 5 s: rank 0 was "
+                                       "still waiting in all_reduce()")
+    assert "same collective calls" in feedback.hint

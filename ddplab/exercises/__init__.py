@@ -22,7 +22,7 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddplab.errors import RankError
+from ddplab.errors import RankError, RankTimeout, ranks_text
 
 
 @dataclass
@@ -113,6 +113,27 @@ def ranks(world_size: int, **kwargs):
     from ddplab.pool import quiet_pool
 
     return quiet_pool(world_size, **kwargs)
+
+
+def run_in_time(pool, fn: Callable, *args, meaning: str, hint: str,
+                deadline: float = 5.0) -> list:
+    """`pool.run` with an exercise's deadline: a hang becomes a NotYet that says where.
+
+    Correct answers take milliseconds, so an attempt still running after `deadline` is
+    stuck; the verdict names the ranks and what they were waiting in, then `meaning` says
+    what that tells about the attempt, and `hint` how to get out of it.
+    """
+    try:
+        return pool.run(fn, *args, timeout=deadline)
+    except RankTimeout as err:
+        places = sorted({stuck.headline.split(" of ")[0] for stuck in err.stuck.values()})
+        if places and all(place.startswith("waiting in ") for place in places):
+            where = "waiting in " + " or ".join(p.removeprefix("waiting in ") for p in places)
+        else:
+            where = "running"
+        raise NotYet(f"your function did not finish within {deadline:g} s: "
+                     f"{ranks_text(err.stuck)} {'was' if len(err.stuck) == 1 else 'were'} "
+                     f"still {where}. {meaning}", hint) from None
 
 
 def expect(condition: bool, message: str, hint: str = "") -> None:

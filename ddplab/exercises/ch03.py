@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ddplab.errors import RankTimeout, ranks_text
-from ddplab.exercises import NotYet, exercise, expect, ranks
+from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time
 
 DEADLINE = 5.0
 """Seconds an attempt may take on the ranks: correct answers take milliseconds."""
@@ -25,18 +24,9 @@ ORDER_HINT = ("a blocking send() only returns once its receiver has posted the m
 
 def _run(pool, fn: Callable, *args) -> list:
     """pool.run with the exercise's deadline; a hang becomes a NotYet that says where."""
-    try:
-        return pool.run(fn, *args, timeout=DEADLINE)
-    except RankTimeout as err:
-        places = sorted({stuck.headline.split(" of ")[0] for stuck in err.stuck.values()})
-        if places and all(place.startswith("waiting in ") for place in places):
-            where = "waiting in " + " or ".join(p.removeprefix("waiting in ") for p in places)
-        else:
-            where = "running"
-        raise NotYet(f"your function did not finish within {DEADLINE:g} s: "
-                     f"{ranks_text(err.stuck)} {'was' if len(err.stuck) == 1 else 'were'} "
-                     f"still {where}. That is a deadlock: each rank is waiting for a "
-                     "message that no rank is sending.", ORDER_HINT) from None
+    return run_in_time(pool, fn, *args, deadline=DEADLINE, hint=ORDER_HINT,
+                       meaning="That is a deadlock: each rank is waiting for a message "
+                               "that no rank is sending.")
 
 
 def _data(rank: int, kind: str):
