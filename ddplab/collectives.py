@@ -79,6 +79,13 @@ def make_input(spec: Spec, rank: int, world_size: int) -> torch.Tensor:
     return flat.reshape(rows, spec.length) if rows > 1 else flat
 
 
+def _device() -> torch.device:
+    """NCCL moves only GPU tensors: each rank uses the GPU the pool bound it to."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def run_on_rank(spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `spec` on this rank; return (what it held before, what it holds after).
 
@@ -86,11 +93,12 @@ def run_on_rank(spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
     tensor as "after": what their buffer holds then is scratch space, not an answer.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    x = make_input(spec, rank, world)
+    device = _device()
+    x = make_input(spec, rank, world).to(device)
     before = x.clone()
     op = getattr(dist.ReduceOp, spec.op)
     root = spec.root
-    nothing = torch.empty(0, dtype=x.dtype)
+    nothing = torch.empty(0, dtype=x.dtype, device=device)
     name = spec.collective
     if name == "broadcast":
         dist.broadcast(x, src=root)
@@ -110,19 +118,19 @@ def run_on_rank(spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
         dist.all_gather(out, x)
         after = torch.stack(out)
     elif name == "scatter":
-        chunk = torch.zeros(spec.length, dtype=x.dtype)
+        chunk = torch.zeros(spec.length, dtype=x.dtype, device=device)
         before = x.clone() if rank == root else chunk.clone()
         dist.scatter(chunk, list(x.unbind()) if rank == root else None, src=root)
         after = chunk
     elif name == "reduce_scatter":
-        chunk = torch.zeros(spec.length, dtype=x.dtype)
+        chunk = torch.zeros(spec.length, dtype=x.dtype, device=device)
         dist.reduce_scatter(chunk, list(x.unbind()), op=op)
         after = chunk
     else:  # all_to_all
-        out = [torch.zeros(spec.length, dtype=x.dtype) for _ in range(world)]
+        out = [torch.zeros(spec.length, dtype=x.dtype, device=device) for _ in range(world)]
         dist.all_to_all(out, list(x.unbind()))
         after = torch.stack(out)
-    return before, after.clone()
+    return before.cpu(), after.cpu().clone()
 
 
 def owners(spec: Spec, world_size: int) -> tuple[list, list]:
