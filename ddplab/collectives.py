@@ -140,7 +140,7 @@ def owners(spec: Spec, world_size: int) -> tuple[list, list]:
     everyone = tuple(range(world_size))
     chunk_rows = [[j] * spec.length for j in range(world_size)]
     name, root = spec.collective, spec.root
-    before = [r for r in range(world_size)]
+    before = list(range(world_size))
     if name == "scatter":
         before = [root if r == root else EMPTY_BUFFER for r in range(world_size)]
     if name in ("broadcast", "scatter"):

@@ -13,6 +13,7 @@ working pool behind, and no process outlives the pool or the kernel.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import linecache
 import os
@@ -578,11 +579,9 @@ def quiet_pool(world_size: int, **kwargs):
     their own pool keeps the learner's ranks (and variables) untouched, and only their
     verdict, not the ranks' chatter, belongs in the cell.
     """
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
-
     sink = io.StringIO()
-    with redirect_stdout(sink), redirect_stderr(sink), Pool(world_size, **kwargs) as pool:
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
+            Pool(world_size, **kwargs) as pool:
         yield pool
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import ipywidgets as widgets
 import torch
@@ -37,7 +38,9 @@ class Result:
     before: list[torch.Tensor]
     after: list[torch.Tensor]
 
+    @cached_property
     def figure(self):
+        """The before/after picture, drawn once: the panel and `show()` share it."""
         return collectives.figure(self.spec, self.before, self.after)
 
     def __repr__(self) -> str:
@@ -104,7 +107,7 @@ class CollectiveExplorer(widgets.VBox):
         self.update()
         if self.error:
             raise RuntimeError(self.error)
-        return self.result.figure()
+        return self.result.figure
 
     def update(self) -> Result | None:
         """Run the current settings on every rank and redraw; errors are shown, not raised."""
@@ -123,7 +126,7 @@ class CollectiveExplorer(widgets.VBox):
             return None
         before, after = ([pair[i] for pair in pairs] for i in (0, 1))
         self.result, self.error = Result(spec, before, after), None
-        self.image.value = png_bytes(self.result.figure())
+        self.image.value = png_bytes(self.result.figure)
         self.tensors.value = f"<pre>{html.escape(repr(self.result))}</pre>"
         return self.result
 

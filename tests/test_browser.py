@@ -14,22 +14,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import nbformat
 import psutil
 import pytest
 
-from ddplab.pool import free_port
-
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-TOKEN = "ddplab-browser-test"
 
 if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
     if os.environ.get("DDPLAB_REQUIRE_BROWSER"):
@@ -53,48 +45,16 @@ CollectiveExplorer(pool)"""
 
 
 @pytest.fixture
-def lab(tmp_path: Path):
-    """`ddplab lab` serving a notebook that shows the explorer; yields (url, server)."""
+def lab(tmp_path: Path, start_lab):
+    """`ddplab lab` serving a notebook that shows the explorer."""
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL)])
     nb.metadata["kernelspec"] = {"display_name": "Python 3 (ipykernel)",
                                  "language": "python", "name": "python3"}
     nbformat.write(nb, notebooks / "explorer.ipynb")
-    port = free_port()
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
-    log = open(tmp_path / "lab.log", "wb")  # noqa: SIM115 (closed in the teardown)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "ddplab.cli", "lab", "--no-browser", "--port", str(port),
-         f"--IdentityProvider.token={TOKEN}", "--ServerApp.port_retries=0"],
-        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for(f"{base}/api/status?token={TOKEN}", server, tmp_path / "lab.log")
-        yield f"{base}/lab/tree/explorer.ipynb?token={TOKEN}", server
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=10)
-        log.close()
-
-
-def _wait_for(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"ddplab lab exited with {server.returncode}:\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(url, timeout=5):
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.5)
-    pytest.fail(f"ddplab lab did not answer in 60 s:\n{log.read_text()}")
+    with start_lab(tmp_path) as running:
+        yield running
 
 
 @pytest.fixture
@@ -154,8 +114,8 @@ def _panel_text(driver) -> str:
 
 
 def test_the_explorer_runs_collectives_from_a_real_lab(lab, browser, tmp_path):
-    url, server = lab
-    browser.get(url)
+    server = lab.server
+    browser.get(lab.url("/lab/tree/explorer.ipynb"))
     wait = WebDriverWait(browser, 90)
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell"))
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator"

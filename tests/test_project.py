@@ -8,12 +8,8 @@ dependencies as `pip install -e ".[test]"`.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,10 +17,8 @@ import nbformat
 import pytest
 
 from ddplab.cli import main
-from ddplab.pool import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKEN = "ddplab-test"
 
 
 def test_environment_yml_matches_pyproject() -> None:
@@ -53,45 +47,11 @@ def _get(url: str) -> tuple[int, str, bytes]:
         return resp.status, resp.headers.get("Content-Type", ""), resp.read()
 
 
-def test_lab_serves_notebooks(tmp_path: Path) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    # Keep the user's Jupyter config, runtime files and workspaces out of the test.
-    env = dict(
-        os.environ,
-        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
-    )
-    log_path = tmp_path / "lab.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddplab.cli",
-        "lab",
-        "--no-browser",
-        "--port",
-        str(port),
-        f"--IdentityProvider.token={TOKEN}",
-        "--ServerApp.port_retries=0",
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        listing = None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"ddplab lab exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                status, _, body = _get(f"{base}/api/contents?token={TOKEN}")
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.5)
-                continue
-            assert status == 200
-            listing = json.loads(body)
-            break
-        assert listing is not None, f"no answer in 60 s:\n{log_path.read_text()}"
+def test_lab_serves_notebooks(start_lab) -> None:
+    with start_lab(ROOT) as lab:
+        status, _, body = _get(lab.url("/api/contents"))
+        assert status == 200
+        listing = json.loads(body)
 
         served = {item["name"] for item in listing["content"] if item["type"] == "notebook"}
         on_disk = {
@@ -100,18 +60,11 @@ def test_lab_serves_notebooks(tmp_path: Path) -> None:
         assert on_disk, "notebooks/ holds no notebook"
         assert served == on_disk
 
-        status, content_type, body = _get(f"{base}/lab?token={TOKEN}")
+        status, content_type, body = _get(lab.url("/lab"))
         assert status == 200
         assert content_type.startswith("text/html")
         assert b"<html" in body.lower()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert proc.returncode is not None
+    assert lab.server.returncode is not None
 
 
 def _execute(*paths: Path) -> subprocess.CompletedProcess[str]:
