@@ -48,7 +48,7 @@ def _spawn_rank(rank: int, world_size: int, port: int) -> None:
 def _sample_spawn(world_size: int) -> float:
     import torch.multiprocessing as mp
 
-    from ddplab.pool import free_port
+    from ddplab.launch import free_port
 
     t0 = time.perf_counter()
     mp.spawn(_spawn_rank, args=(world_size, free_port()), nprocs=world_size)

@@ -35,7 +35,7 @@ from typing import Any
 
 import cloudpickle
 
-from ddplab import forkserver, worker
+from ddplab import forkserver, launch, worker
 from ddplab.errors import (
     PoolClosedError,
     PoolNameError,
@@ -94,38 +94,13 @@ class _Outcome:
     stuck: dict[int, Stuck]
     broken: bool  # ranks were killed: the process group cannot be trusted again
     interrupted: bool = False
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    event_error: BaseException | None = None  # raised by the on_event callback
 
 
 def _kill_groups(pids: Iterable[int]) -> None:
     for pid in pids:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
-
-
-def _check_gpus(world_size: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_nccl_available():
-        raise PoolValueError("backend='nccl' is not available in this build of torch. Use "
-                         "backend='gloo' (CPU), or install a CUDA build of torch.")
-    if not torch.cuda.is_available():
-        raise PoolValueError("backend='nccl' needs NVIDIA GPUs, and torch sees none here "
-                         "(torch.cuda.is_available() is False). Use backend='gloo' to run on "
-                         "the CPU, or run on a machine with GPUs and a CUDA build of torch.")
-    gpus = torch.cuda.device_count()
-    if gpus < world_size:
-        raise PoolValueError(f"backend='nccl' needs one GPU per rank: Pool({world_size}) needs "
-                         f"{world_size} GPUs but {gpus} are visible. Use "
-                         f"Pool({gpus}, backend='nccl'), or backend='gloo' for {world_size} "
-                         "ranks on the CPU.")
 
 
 class Pool:
@@ -164,7 +139,10 @@ class Pool:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise PoolValueError(f"threads must be a positive int, not {threads!r}")
         if backend == "nccl":
-            _check_gpus(world_size)
+            try:
+                launch.check_gpus(world_size)
+            except launch.LaunchError as exc:
+                raise PoolValueError(str(exc)) from None
 
         self.world_size = world_size
         self.backend = backend
@@ -209,19 +187,27 @@ class Pool:
         return [r.pid for r in self._ranks]
 
     def run(self, fn: Callable, *args, ranks: Iterable[int] | int | None = None,
-            timeout: float | None = None, stream: bool = False, **kwargs) -> Any:
+            timeout: float | None = None, stream: bool = False,
+            on_event: Callable[[int, Any], None] | None = None, **kwargs) -> Any:
         """Call `fn(*args, **kwargs)` on every rank (or on `ranks`) and return the values.
 
         Returns a list indexed by rank, or a dict {rank: value} when `ranks` is given.
         Raises RankError if any rank raises or dies, RankTimeout if the call does not end
         within `timeout` seconds (the pool is then rebuilt and usable).
+
+        `on_event(rank, value)` is called in the notebook, while the call runs, for each
+        value a rank sends with `ddplab.worker.emit(value)` (live progress, loss curves).
+        If it raises, the call still runs to its end and the error is raised after it.
         """
         __tracebackhide__ = True
         if not callable(fn):
             raise PoolTypeError(f"pool.run needs a function to call on the ranks, not "
                             f"{type(fn).__name__} {fn!r}")
+        if on_event is not None and not callable(on_event):
+            raise PoolTypeError(f"on_event must be a function of (rank, value), not "
+                                f"{on_event!r}")
         targets = self._check_ranks(ranks)
-        results = self._call(fn, args, kwargs, targets, timeout, stream)
+        results = self._call(fn, args, kwargs, targets, timeout, stream, on_event=on_event)
         return results if ranks is not None else [results[r] for r in targets]
 
     def push(self, values: dict | None = None, /, **kwargs) -> None:
@@ -328,21 +314,17 @@ class Pool:
                                    f"{self.init_method!r}) could not be initialized.")
 
     def _rendezvous(self) -> dict:
-        port = free_port()
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        port = launch.free_port()
         if self.init_method == "tcp":
-            return {"env": env, "url": f"tcp://127.0.0.1:{port}"}
+            return {"port": port, "url": f"tcp://127.0.0.1:{port}"}
         if self.init_method == "file":
             path = os.path.join(self._tmpdir, f"rendezvous-{self._generation}")
-            return {"env": env, "url": f"file://{path}"}
-        return {"env": env, "url": "env://"}
+            return {"port": port, "url": f"file://{path}"}
+        return {"port": port, "url": "env://"}
 
     def _fork_ranks(self, rendezvous: dict) -> None:
         server = forkserver.get()
-        # What torchrun sets on a single node: a pool never spans machines.
-        base_env = dict(os.environ, **rendezvous["env"], WORLD_SIZE=str(self.world_size),
-                        LOCAL_WORLD_SIZE=str(self.world_size), GROUP_RANK="0",
-                        GROUP_WORLD_SIZE="1", OMP_NUM_THREADS=str(self.threads))
+        base_env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
         for index in range(self.world_size):
             cmd, cmd_theirs = socket.socketpair()
             ctl, ctl_theirs = socket.socketpair()
@@ -353,7 +335,8 @@ class Pool:
                 "backend": self.backend, "init_method": self.init_method,
                 "init_url": rendezvous["url"], "pg_timeout": self._timeout,
                 "threads": self.threads, "cwd": os.getcwd(), "sys_path": list(sys.path),
-                "env": dict(base_env, RANK=str(index), LOCAL_RANK=str(index)),
+                "env": launch.pool_rank_env(base_env, index, self.world_size,
+                                            rendezvous["port"]),
             }
             try:
                 pid = server.fork(spec, [cmd_theirs.fileno(), ctl_theirs.fileno(),
@@ -403,8 +386,8 @@ class Pool:
     # --- one call ---
 
     def _call(self, fn: Callable, args: tuple, kwargs: dict, targets: list[int],
-              timeout: float | None, stream: bool,
-              extra_sources: dict | None = None) -> dict[int, Any]:
+              timeout: float | None, stream: bool, extra_sources: dict | None = None,
+              on_event: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
         """Run fn on the target ranks; raise if any failed, rebuilding a broken pool first."""
         __tracebackhide__ = True
         timeout = self._timeout if timeout is None else self._check_timeout(timeout)
@@ -413,7 +396,7 @@ class Pool:
             if not self._ranks:  # a rebuild was interrupted or failed: try again now
                 self._start()
             outcome = self._exchange(fn, args, kwargs, targets, timeout, stream,
-                                     extra_sources or {})
+                                     extra_sources or {}, on_event)
             if outcome.broken:
                 self._kill()
                 self._start()
@@ -423,6 +406,8 @@ class Pool:
                 raise KeyboardInterrupt
             if outcome.failures or outcome.stuck:
                 raise self._error(outcome, timeout)
+            if outcome.event_error is not None:
+                raise outcome.event_error
             return outcome.results
 
     def _error(self, outcome: _Outcome, timeout: float) -> RankError:
@@ -457,7 +442,8 @@ class Pool:
             self._ranks[r].sources_sent.update(sources)
         return payload
 
-    def _exchange(self, fn, args, kwargs, targets, timeout, stream, extra_sources) -> _Outcome:
+    def _exchange(self, fn, args, kwargs, targets, timeout, stream, extra_sources,
+                  on_event=None) -> _Outcome:
         """Send one call, then gather results and output until done, failed or too late."""
         payload = self._payload(fn, args, kwargs, targets, extra_sources)
         call_id = next(self._call_ids)
@@ -480,8 +466,8 @@ class Pool:
                         if not self._output.read(key.fd):
                             self._selector.unregister(key.fd)
                         continue
-                    self._receive(r, call_id, outcome)
-                    pending.discard(r)
+                    if self._receive(r, call_id, outcome, on_event):
+                        pending.discard(r)
                     if outcome.failures:
                         deadline = min(deadline, time.monotonic() + self.error_grace)
         except KeyboardInterrupt:
@@ -496,7 +482,9 @@ class Pool:
         self._output.show()
         return outcome
 
-    def _receive(self, r: int, call_id: int, outcome: _Outcome) -> None:
+    def _receive(self, r: int, call_id: int, outcome: _Outcome,
+                 on_event: Callable[[int, Any], None] | None) -> bool:
+        """Read one message from rank r; True when the rank is done with this call."""
         rank = self._ranks[r]
         try:
             reply = rank.conn.recv_bytes()
@@ -505,16 +493,24 @@ class Pool:
             self._selector.unregister(rank.conn)
             status = forkserver.get().wait_exit(rank.pid, timeout=2.0)
             outcome.failures[r] = RankFailure(r, "died", describe_exit(status), "", seen)
-            return
+            return True
         status, cid, value = pickle.loads(reply)
         if cid != call_id:
-            return
+            return False
+        if status == "event":
+            if on_event is not None and outcome.event_error is None:
+                try:
+                    on_event(r, value)
+                except Exception as exc:  # the ranks carry on; the error is raised after
+                    outcome.event_error = exc
+            return False
         if status == "ok":
             outcome.results[r] = value
         else:
             outcome.failures[r] = RankFailure(r, value["type"], value["message"],
                                               value["traceback"], value["time"],
                                               value["exception"])
+        return True
 
     def _where(self, ranks: list[int]) -> dict[int, Stuck]:
         """Ask each unfinished rank where its main thread is; fall back to faulthandler."""

@@ -40,7 +40,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ddplab import tracebacks
+from ddplab import launch, tracebacks
 
 MARK = b"\x00ddplab-end:%d\x00"
 """End-of-call marker written to stdout and stderr; never shown to the learner."""
@@ -50,6 +50,10 @@ namespace: dict = {}
 
 _spec: dict = {}
 """What the pool said this rank is: rank, world size, backend, init method, ..."""
+
+_call: dict = {}
+"""The call in progress: its id and the channel its events go home on (see `emit`)."""
+_emit_lock = threading.Lock()
 
 _LIBC_PATH = ctypes.util.find_library("c")
 _libc = ctypes.CDLL(_LIBC_PATH) if _LIBC_PATH else None  # to flush C stdio buffers
@@ -128,7 +132,7 @@ def init_process_group() -> None:
         kwargs.update(init_method=spec["init_url"], rank=spec["rank"],
                       world_size=spec["world_size"])
     if spec["backend"] == "nccl":
-        kwargs["device_id"] = torch.device("cuda", spec["local_rank"])
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(**kwargs)
 
 
@@ -153,16 +157,15 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
         sys.modules["numpy"].random.seed()
 
     rank, local_rank = spec["rank"], spec["local_rank"]
-    if spec["backend"] == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = launch.device(launch.detect(), spec["backend"])  # the kit's one GPU policy
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     _fresh_main_module()
     namespace.update(torch=torch, dist=dist, rank=rank, world_size=spec["world_size"],
                      local_rank=local_rank, device=device)
 
     conn = Connection(cmd_fd)
+    _call["conn"] = conn
     _answer_control(Connection(ctl_fd))
     while True:
         try:
@@ -174,9 +177,12 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
             if dist.is_initialized():
                 dist.destroy_process_group()
             return 0
+        _call["id"] = call_id
         reply = _run(call_id, payload)
         _end_of_call(call_id)
-        conn.send_bytes(reply)
+        with _emit_lock:
+            _call["id"] = None
+            conn.send_bytes(reply)
 
 
 # --- one call ---
@@ -234,6 +240,21 @@ def _end_of_call(call_id: int) -> None:
     for fd in (1, 2):
         with contextlib.suppress(OSError):
             os.write(fd, marker)
+
+
+def emit(value) -> None:
+    """Send `value` to the notebook now, while the call is still running.
+
+    `pool.run(fn, ..., on_event=callback)` calls `callback(rank, value)` in the notebook
+    as each value arrives, which is how a training run draws its loss curves live. Values
+    travel as pickles on the call's own channel, in order; without `on_event` they are
+    dropped. Outside a pool call (under torchrun, say) `emit` does nothing, so code that
+    emits runs unchanged anywhere.
+    """
+    with _emit_lock:
+        if _call.get("id") is None:
+            return
+        _call["conn"].send_bytes(_dumps(("event", _call["id"], value)))
 
 
 # --- the calls the notebook makes by name ---

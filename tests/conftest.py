@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ddplab.pool import free_port
+from ddplab.launch import free_port
 
 TOKEN = "ddplab-test"
 

@@ -18,7 +18,7 @@ import time
 
 from ddplab.errors import RankTimeout, ranks_text
 from ddplab.exercises import NotYet, exercise, expect, ranks
-from ddplab.pool import free_port
+from ddplab.launch import free_port
 
 _WORLD = 3
 _CALL_TIMEOUT = 15  # seconds a checker waits for the learner's code on the ranks

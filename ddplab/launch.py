@@ -1,0 +1,372 @@
+"""Who started this process? One answer for the pool, torchrun, Slurm, OpenMPI and a plain run.
+
+    launch = detect()                        # Launch(launcher="torchrun", rank=1, ...)
+    device = init_process_group(launch)      # joins the group; returns this rank's device
+
+Every launcher tells its processes who they are through environment variables, each in
+its own words: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID; `srun`
+sets SLURM_PROCID, SLURM_LOCALID and SLURM_STEP_NUM_TASKS; `mpirun` (OpenMPI) sets
+OMPI_COMM_WORLD_RANK, _SIZE and _LOCAL_RANK. Launchers nest (torchrun inside an `srun`
+step, a JupyterLab inside a Slurm job), so several sets can be present at once. Published
+examples often read them one after another, and the last one read silently wins: under
+torchrun inside an allocation, every rank then believes it is Slurm's task 0.
+
+`detect()` instead picks the innermost launcher that is actually present (the pool, then
+torchrun, then OpenMPI, then an `srun` step) and reads only its variables. The generic
+RANK / WORLD_SIZE / LOCAL_RANK, when they are set beside OpenMPI's or Slurm's own, must
+agree with them: two sets that disagree raise an error naming both, never a guess.
+
+This module is also the one place for three policies the pool, the training module and
+the doctor share: which GPU a rank uses (`gpu_index`), how to find a free port
+(`free_port`), and how long a process group waits (`TIMEOUT`).
+
+Importing it is cheap (no torch): the pool imports it in the notebook's kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+LAUNCHERS = ("pool", "torchrun", "openmpi", "slurm", "env", "single")
+"""What `Launch.launcher` can be, innermost first. "env" means RANK and WORLD_SIZE were set
+by hand (the classic `mp.spawn` template, or a launcher ddplab does not know)."""
+
+TIMEOUT = timedelta(minutes=5)
+"""How long a process group started here waits for a peer before it gives up. torch's own
+default is 30 minutes (10 for NCCL): far too long to learn that a rank never came."""
+
+POOL_MARK = "DDPLAB_POOL_RANK"
+"""Set by the pool in each of its ranks (to the rank), so `detect()` knows who started it."""
+
+# Variables that say who one process is. A kernel started inside a launcher inherits its
+# own set (a JupyterLab in a Slurm job has SLURM_PROCID=0), which would tell every pool
+# rank that it is rank 0: the pool removes them before it starts its ranks.
+_PER_PROCESS = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEPID", "SLURM_TASK_PID",
+    "SLURM_GTIDS", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", POOL_MARK,
+})
+_PER_PROCESS_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_", "SLURM_STEP_")
+
+
+class LaunchError(ValueError):
+    """The launcher's variables are missing, malformed or contradict each other."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where this process stands: what started it, and its place in the job."""
+
+    launcher: str  # one of LAUNCHERS
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def init_url(self) -> str:
+        """The tcp:// address of the rendezvous (rank 0's store)."""
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"tcp://{host}:{self.master_port}"
+
+
+# --- detection -------------------------------------------------------------------------------
+
+def detect(environ: Mapping[str, str] | None = None) -> Launch:
+    """Read this process's rank, world size and rendezvous from its launcher's variables.
+
+    `environ` defaults to `os.environ`; pass a dict to ask "what would a process with these
+    variables be?" (the tests and the launchers chapter do).
+    """
+    env = os.environ if environ is None else environ
+    if POOL_MARK in env:
+        return _from_torch_style(env, "pool")
+    if "TORCHELASTIC_RUN_ID" in env:
+        return _from_torch_style(env, "torchrun")
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return _agreeing(_from_openmpi(env), env)
+    if "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
+        return _agreeing(_from_slurm(env), env)
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return _from_torch_style(env, "env")
+    return Launch("single", 0, 1, 0, 1, 0, "127.0.0.1", _int(env, "MASTER_PORT", 0) or free_port())
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None:
+        if default is None:
+            raise LaunchError(f"{name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"{name}={value!r} is not a whole number") from None
+
+
+def _from_torch_style(env: Mapping[str, str], launcher: str) -> Launch:
+    """torchrun's variables (which the pool also sets, as torchrun would on one node)."""
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in env]
+    if launcher != "env":
+        missing += [name for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                      "MASTER_PORT") if name not in env]
+    if missing:
+        raise LaunchError(f"{launcher}: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+                          " not set, but the other variables of a torchrun-style launch are. "
+                          "Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT "
+                          "together, or start the script with torchrun.")
+    rank, world_size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    local_rank = _int(env, "LOCAL_RANK", rank)
+    local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
+    node_rank = _int(env, "GROUP_RANK", rank // max(local_world_size, 1))
+    port = _int(env, "MASTER_PORT", 29500)
+    return _checked(Launch(launcher, rank, world_size, local_rank, local_world_size, node_rank,
+                           env.get("MASTER_ADDR", "127.0.0.1"), port),
+                    {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
+                     "local_world_size": "LOCAL_WORLD_SIZE"})
+
+
+def _from_openmpi(env: Mapping[str, str]) -> Launch:
+    rank = _int(env, "OMPI_COMM_WORLD_RANK")
+    world_size = _int(env, "OMPI_COMM_WORLD_SIZE")
+    local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
+    local_world_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+    one_node = local_world_size == world_size
+    if "MASTER_ADDR" in env:
+        addr = env["MASTER_ADDR"]
+    elif one_node:
+        addr = "127.0.0.1"
+    else:
+        raise LaunchError(
+            f"mpirun started {world_size} processes on more than one node, and MASTER_ADDR "
+            "is not set, so the ranks cannot know where rank 0 listens. Pass the first "
+            "host's address: mpirun -x MASTER_ADDR=<first host> -x MASTER_PORT=29500 ...")
+    port = _int(env, "MASTER_PORT", 0) or _job_port(env, ("PMIX_NAMESPACE",
+                                                          "OMPI_MCA_ess_base_jobid",
+                                                          "OMPI_MCA_orte_ess_jobid"))
+    # OpenMPI fills nodes in order by default (--map-by slot), so node = rank // per node.
+    node_rank = rank // max(local_world_size, 1)
+    return _checked(Launch("openmpi", rank, world_size, local_rank, local_world_size,
+                           node_rank, addr, port),
+                    {"rank": "OMPI_COMM_WORLD_RANK", "world_size": "OMPI_COMM_WORLD_SIZE",
+                     "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+                     "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE"})
+
+
+def _from_slurm(env: Mapping[str, str]) -> Launch:
+    """An `srun` task. (A batch script itself is one process: it has no SLURM_STEP_NUM_TASKS.)"""
+    rank = _int(env, "SLURM_PROCID")
+    world_size = _int(env, "SLURM_STEP_NUM_TASKS")
+    local_rank = _int(env, "SLURM_LOCALID", 0)
+    node_rank = _int(env, "SLURM_NODEID", 0)
+    per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world_size)))
+    local_world_size = per_node[node_rank] if node_rank < len(per_node) else per_node[-1]
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    addr = env.get("MASTER_ADDR") or (first_host(nodes) if nodes else "127.0.0.1")
+    port = _int(env, "MASTER_PORT", 0) or _job_port(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
+    return _checked(Launch("slurm", rank, world_size, local_rank, local_world_size, node_rank,
+                           addr, port),
+                    {"rank": "SLURM_PROCID", "world_size": "SLURM_STEP_NUM_TASKS",
+                     "local_rank": "SLURM_LOCALID", "local_world_size":
+                     "SLURM_STEP_TASKS_PER_NODE"})
+
+
+def _agreeing(launch: Launch, env: Mapping[str, str]) -> Launch:
+    """Refuse generic RANK / WORLD_SIZE / LOCAL_RANK that contradict the launcher's own."""
+    own = {"openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_LOCAL_RANK"),
+           "slurm": ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")}[launch.launcher]
+    values = (launch.rank, launch.world_size, launch.local_rank)
+    for generic, theirs, value in zip(("RANK", "WORLD_SIZE", "LOCAL_RANK"), own, values,
+                                      strict=True):
+        if generic in env and _int(env, generic) != value:
+            raise LaunchError(
+                f"{generic}={env[generic]} but {theirs}={value}: two launchers' variables "
+                f"disagree about this process, and neither may silently win. Started by "
+                f"{launch.launcher}, this process is {theirs}={value}; unset {generic} (or "
+                "start the script with one launcher only).")
+    return launch
+
+
+def _checked(launch: Launch, names: dict[str, str]) -> Launch:
+    """Refuse numbers that cannot describe a real process (and name the variable)."""
+    def bad(field: str, rule: str) -> LaunchError:
+        return LaunchError(f"{launch.launcher}: {names[field]}={getattr(launch, field)} {rule}")
+
+    if launch.world_size < 1:
+        raise bad("world_size", "must be at least 1")
+    if not 0 <= launch.rank < launch.world_size:
+        raise bad("rank", f"is outside 0..{launch.world_size - 1} (world size "
+                          f"{launch.world_size})")
+    if launch.local_world_size < 1:
+        raise bad("local_world_size", "must be at least 1")
+    if not 0 <= launch.local_rank < launch.local_world_size:
+        raise bad("local_rank", f"is outside 0..{launch.local_world_size - 1} "
+                                f"({launch.local_world_size} processes on this node)")
+    if not 0 < launch.master_port < 65536:
+        raise LaunchError(f"{launch.launcher}: MASTER_PORT={launch.master_port} is not a port "
+                          "(1..65535)")
+    return launch
+
+
+def _job_port(env: Mapping[str, str], job_vars: tuple[str, ...]) -> int:
+    """A port every process of one job computes alike, without talking: from the job's id.
+
+    Used only when MASTER_PORT is not given. Two jobs rarely collide; when one does, the
+    error from `init_process_group` says to set MASTER_PORT.
+    """
+    job = next((env[name] for name in job_vars if env.get(name)), "")
+    return 20000 + zlib.crc32(job.encode()) % 20000
+
+
+def tasks_per_node(spec: str) -> list[int]:
+    """Slurm's compressed task counts, "2(x3),1" -> [2, 2, 2, 1]."""
+    counts = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            raise LaunchError(f"cannot read Slurm's tasks per node {spec!r}")
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "node[02-04,07],gpu1" -> "node02".
+
+    What `scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1` prints, without
+    needing scontrol on the compute node. Zero padding is kept.
+    """
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])*", nodelist.strip())[0]
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m[1])[0], first)
+
+
+# --- the pool's side -------------------------------------------------------------------------
+
+def is_per_process(name: str) -> bool:
+    """Whether a variable says who one process is (and so must not reach the pool's ranks)."""
+    return name in _PER_PROCESS or name.startswith(_PER_PROCESS_PREFIXES)
+
+
+def pool_rank_env(environ: Mapping[str, str], rank: int, world_size: int,
+                  master_port: int) -> dict[str, str]:
+    """The environment of pool rank `rank`: the kernel's, minus any launcher's per-process
+    variables it inherited, plus what torchrun would set on one node."""
+    env = {k: v for k, v in environ.items() if not is_per_process(k)}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+               LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+    env[POOL_MARK] = str(rank)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it).
+
+    Between choosing and binding it another program may take it: callers that bind it
+    (the pool) retry with a fresh one.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- GPUs: the one policy --------------------------------------------------------------------
+
+def gpu_index(local_rank: int, local_world_size: int, visible: int) -> int:
+    """Which of the `visible` CUDA devices the process with this local rank uses.
+
+    One GPU per process: local rank r uses `cuda:r`. When a process sees exactly one GPU,
+    the launcher has already given each process its own (Slurm's `--gpus-per-task=1`, or
+    a CUDA_VISIBLE_DEVICES per process), and that one is `cuda:0` whatever the local rank.
+    """
+    if visible == 1:
+        return 0
+    if visible == 0 or local_rank >= visible:
+        raise LaunchError(
+            f"NCCL needs one GPU per process: local rank {local_rank} of "
+            f"{local_world_size} on this node has no GPU ({visible} visible). Start at most "
+            f"{visible} process{'es' if visible != 1 else ''} per node "
+            f"(torchrun --nproc_per_node={max(visible, 1)}), or use the gloo backend "
+            "on the CPU.")
+    return local_rank
+
+
+def check_gpus(processes: int) -> None:
+    """Refuse an NCCL run of `processes` processes on this node before anything starts."""
+    gloo = "the gloo backend (backend='gloo', or --backend gloo)"
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        raise LaunchError("the nccl backend is not available in this build of torch. Use "
+                          f"{gloo} on the CPU, or install a CUDA build of torch.")
+    if not torch.cuda.is_available():
+        raise LaunchError("the nccl backend needs NVIDIA GPUs, and torch sees none here "
+                          f"(torch.cuda.is_available() is False). Use {gloo} to run on the "
+                          "CPU, or run on a machine with GPUs and a CUDA build of torch.")
+    visible = torch.cuda.device_count()
+    if visible < processes:
+        raise LaunchError(f"the nccl backend needs one GPU per rank: {processes} ranks need "
+                          f"{processes} GPUs but {visible} "
+                          f"{'is' if visible == 1 else 'are'} visible. Use {visible} "
+                          f"rank{'s' if visible != 1 else ''}, or {gloo} for {processes} "
+                          "ranks on the CPU.")
+
+
+def device(launch: Launch, backend: str) -> torch.device:
+    """This process's device: its GPU for NCCL (see `gpu_index`), else the CPU."""
+    import torch
+
+    if backend != "nccl":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        check_gpus(1)  # raises, naming the reason
+    index = gpu_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count())
+    return torch.device("cuda", index)
+
+
+# --- joining the group -----------------------------------------------------------------------
+
+def init_process_group(launch: Launch, backend: str = "gloo",
+                       timeout: timedelta = TIMEOUT) -> torch.device:
+    """Join the process group `launch` describes (unless one exists) and return the device.
+
+    The pool's ranks already have their group: it is reused, so a training function runs
+    unchanged there. Elsewhere rank 0 listens on `launch.init_url`; a port already taken
+    ends in an error naming it, not in a hang.
+    """
+    import torch
+    import torch.distributed as dist
+
+    dev = device(launch, backend)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if dist.is_initialized():
+        return dev
+    kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+    try:
+        dist.init_process_group(backend, init_method=launch.init_url, rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout, **kwargs)
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError/DistStoreError included
+        if "address already in use" in str(exc).lower():
+            raise LaunchError(
+                f"{launch.launcher}: rank 0 cannot listen on {launch.master_addr}:"
+                f"{launch.master_port}: the port is already in use (another job, or a "
+                "run that has not exited yet). Set MASTER_PORT to a free port (torchrun: "
+                "--master_port).") from None
+        raise
+    return dev

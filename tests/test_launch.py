@@ -1,0 +1,160 @@
+"""ddplab.launch: who started this process, read from each launcher's own variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+
+from ddplab import Pool, launch
+from ddplab.launch import Launch, LaunchError, detect, first_host, gpu_index, tasks_per_node
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "node02",
+            "MASTER_PORT": "29500"}
+OPENMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
+SLURM = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
+         "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+         "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
+
+
+def test_no_launcher_is_one_process():
+    found = detect({})
+    assert (found.launcher, found.rank, found.world_size, found.local_rank) == ("single", 0, 1, 0)
+    assert found.master_addr == "127.0.0.1" and 0 < found.master_port < 65536
+
+
+def test_torchrun():
+    assert detect(TORCHRUN) == Launch("torchrun", 5, 8, 1, 4, 1, "node02", 29500)
+
+
+def test_openmpi():
+    assert detect(OPENMPI) == Launch("openmpi", 3, 4, 1, 2, 1, "10.0.0.1", 29400)
+
+
+def test_openmpi_on_one_node_needs_no_master_address_and_agrees_on_a_port():
+    one_node = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                "PMIX_NAMESPACE": "prterun-host-123@1"}
+    ranks = [detect({**one_node, "OMPI_COMM_WORLD_RANK": str(r),
+                     "OMPI_COMM_WORLD_LOCAL_RANK": str(r)}) for r in (0, 1)]
+    assert {r.master_addr for r in ranks} == {"127.0.0.1"}
+    assert ranks[0].master_port == ranks[1].master_port
+
+
+def test_openmpi_on_several_nodes_without_master_addr_says_what_to_pass():
+    env = {k: v for k, v in OPENMPI.items() if k != "MASTER_ADDR"}
+    with pytest.raises(LaunchError, match="-x MASTER_ADDR"):
+        detect(env)
+
+
+def test_an_srun_task():
+    assert detect(SLURM) == Launch("slurm", 3, 4, 1, 2, 1, "gpu07", detect(SLURM).master_port)
+    assert detect({**SLURM, "MASTER_PORT": "12345"}).master_port == 12345
+
+
+def test_a_batch_script_itself_is_not_an_srun_task():
+    # sbatch's script runs once, as SLURM_PROCID=0, with no step: it is one process.
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}
+    assert detect(batch).launcher == "single"
+
+
+def test_innermost_wins_torchrun_inside_an_srun_step():
+    found = detect({**SLURM, **TORCHRUN})
+    assert found.launcher == "torchrun" and found.rank == 5
+
+
+def test_the_pool_inside_a_slurm_job_is_the_pool():
+    env = launch.pool_rank_env({**SLURM, "HOME": "/root"}, rank=1, world_size=2,
+                               master_port=4000)
+    assert not any(k in env for k in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"))
+    assert env["SLURM_JOB_ID"] == "4242" and env["HOME"] == "/root"  # job-wide: kept
+    assert detect(env) == Launch("pool", 1, 2, 1, 2, 0, "127.0.0.1", 4000)
+
+
+def test_openmpi_variables_never_silently_override_generic_ones():
+    # The bug of many published examples: RANK read first, then overwritten by OpenMPI's.
+    with pytest.raises(LaunchError, match=r"RANK=0 but OMPI_COMM_WORLD_RANK=3"):
+        detect({**OPENMPI, "RANK": "0"})
+    with pytest.raises(LaunchError, match=r"WORLD_SIZE=8 but SLURM_STEP_NUM_TASKS=4"):
+        detect({**SLURM, "WORLD_SIZE": "8"})
+    assert detect({**OPENMPI, "RANK": "3", "WORLD_SIZE": "4"}).rank == 3  # agreeing: fine
+
+
+@pytest.mark.parametrize("env, match", [
+    ({**TORCHRUN, "RANK": "8"}, r"RANK=8 is outside 0..7"),
+    ({**TORCHRUN, "LOCAL_RANK": "4"}, r"LOCAL_RANK=4 is outside 0..3"),
+    ({**TORCHRUN, "WORLD_SIZE": "two"}, r"WORLD_SIZE='two' is not a whole number"),
+    ({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}, r"MASTER_PORT is not set"),
+    ({**TORCHRUN, "MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a port"),
+    ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "lots"}, r"tasks per node 'lots'"),
+])
+def test_impossible_variables_are_refused_by_name(env, match):
+    with pytest.raises(LaunchError, match=match):
+        detect(env)
+
+
+def test_slurm_node_lists_and_task_counts():
+    assert first_host("node[02-04,07],gpu1") == "node02"
+    assert first_host("gpu1,node[02-04]") == "gpu1"
+    assert first_host("rack[1-2]-n[05-06]") == "rack1-n05"
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+def test_one_gpu_policy():
+    assert gpu_index(local_rank=2, local_world_size=4, visible=4) == 2
+    assert gpu_index(local_rank=3, local_world_size=4, visible=1) == 0  # --gpus-per-task=1
+    with pytest.raises(LaunchError, match="nproc_per_node=2"):
+        gpu_index(local_rank=2, local_world_size=4, visible=2)
+    with pytest.raises(LaunchError, match="no GPU"):
+        gpu_index(local_rank=0, local_world_size=1, visible=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_nccl_without_gpus_names_the_gloo_fix():
+    with pytest.raises(LaunchError, match="--backend gloo"):
+        launch.device(detect({}), "nccl")
+    assert launch.device(detect({}), "gloo") == torch.device("cpu")
+
+
+def test_free_port_is_free():
+    port = launch.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_pool_ranks_know_they_are_pool_ranks_whatever_the_kernel_inherited(monkeypatch):
+    for name, value in {**SLURM, "OMPI_COMM_WORLD_RANK": "0", "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    with Pool(2) as pool:
+        found = pool.run(launch.detect)
+    assert [(f.launcher, f.rank, f.world_size, f.local_rank) for f in found] == [
+        ("pool", 0, 2, 0), ("pool", 1, 2, 1)]
+
+
+def _join_alone():
+    import torch.distributed as dist
+
+    launch.init_process_group(launch.detect(), "gloo", timeout=timedelta(seconds=10))
+    size = dist.get_world_size()
+    dist.destroy_process_group()
+    return size
+
+
+def test_a_single_process_joins_a_group_of_one():
+    assert _join_alone() == 1
+
+
+def test_a_taken_port_is_named_not_a_hang():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        where = Launch("torchrun", 0, 2, 0, 2, 0, "127.0.0.1", port)
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        with pytest.raises(LaunchError, match=f"127.0.0.1:{port}: the port is already in use"):
+            launch.init_process_group(where, "gloo", timeout=timedelta(seconds=5))
