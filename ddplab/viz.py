@@ -165,6 +165,7 @@ class _Panel:
     label: str
     x: float = 0.0  # lower-left corner of the grid, in inches
     y: float = 0.0
+    frame: str | None = None  # frame and label colour; None: the rank's
 
     @property
     def width(self) -> float:
@@ -213,11 +214,12 @@ class _Canvas:
         if rows * cols == 0:
             self.ax.add_patch(Rectangle((panel.x, panel.y), c, c, fill=False, ls=":",
                                         ec="#777777"))
+        frame = panel.frame or rank_color(panel.rank)
         self.ax.add_patch(Rectangle((panel.x, panel.y), max(cols, 1) * c, max(rows, 1) * c,
-                                    fill=False, lw=1.6, ec=rank_color(panel.rank)))
+                                    fill=False, lw=1.6, ec=frame))
         self.ax.text(panel.x, panel.y + max(rows, 1) * c + 0.08, panel.label, ha="left",
                      va="bottom", fontsize=FONT + 1, fontweight="bold",
-                     color=_readable(rank_color(panel.rank)))
+                     color=_readable(frame))
 
     def _cell(self, x: float, y: float, owner: Owner) -> None:
         c = self.cell
@@ -252,14 +254,17 @@ class _Canvas:
                          label, ha="center", va="bottom" if up else "top",
                          fontsize=FONT - 1, color=_readable(color))
 
-    def legend(self, ranks: int) -> None:
-        handles = [Patch(fc=tint(rank_color(r)), ec=rank_color(r), label=f"rank {r}'s data")
+    def legend(self, ranks: int, names: dict | None = None) -> None:
+        """Explain the colours used; `names` rewords "rank", "combined" or "empty"."""
+        names = {"rank": "rank {}'s data", "combined": "combined from the ranks in its bar",
+                 "empty": "empty buffer", **(names or {})}
+        handles = [Patch(fc=tint(rank_color(r)), ec=rank_color(r),
+                         label=names["rank"].format(r))
                    for r in range(ranks) if r in self.owners_seen]
         if "combined" in self.owners_seen:
-            handles.append(Patch(fc=COMBINED, ec="#999999",
-                                 label="combined from the ranks in its bar"))
+            handles.append(Patch(fc=COMBINED, ec="#999999", label=names["combined"]))
         if None in self.owners_seen:
-            handles.append(Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="empty buffer"))
+            handles.append(Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label=names["empty"]))
         if len(handles) > 1 or "combined" in self.owners_seen or None in self.owners_seen:
             per_row = max(1, int(self.fig.get_figwidth() // 2.4))
             self.ax.legend(handles=handles, loc="lower left", ncol=min(len(handles), per_row),
@@ -307,7 +312,7 @@ def _wrap(panels: list[_Panel]) -> list[list[_Panel]]:
 
 def _row_layout(rows: list[list[_Panel]], titles: list[str | None], title: str | None,
                 legend_ranks: int, between: float = 0.0, room_above: float = 0.0,
-                room_below: float = 0.0) -> _Canvas:
+                room_below: float = 0.0, legend_names: dict | None = None) -> _Canvas:
     """Place rows of panels top to bottom and return a canvas with them drawn.
 
     `room_above` / `room_below` are extra space (inches) for arrows that arc there.
@@ -338,7 +343,7 @@ def _row_layout(rows: list[list[_Panel]], titles: list[str | None], title: str |
             canvas.grid(panel)
             x += max(panel.width, 1) * cell + GAP
         y -= between
-    canvas.legend(legend_ranks)
+    canvas.legend(legend_ranks, legend_names)
     return canvas
 
 
@@ -557,3 +562,81 @@ def show_store(entries: Sequence[tuple[str, object, int]], *,
 
 
 _register_with_ipython()
+
+
+def show_digits(images, labels, *, columns: int = 10, title: str | None = None,
+                predicted=None) -> Figure:
+    """Digit images in a grid, each with its label below (and a prediction, if given).
+
+    `images` is N×H×W (uint8 or float), `labels` N integers. With `predicted`, a wrong
+    prediction is written in red beside the true label.
+    """
+    images = [as_grid(im) for im in images]
+    labels = [int(v) for v in labels]
+    if len(images) != len(labels) or not images:
+        raise ValueError(f"need as many labels as images (and at least one): {len(images)} "
+                         f"images, {len(labels)} labels")
+    rows = -(-len(images) // columns)
+    size, label_h = 0.75, 0.28
+    title_h = 0.45 if title else 0.1
+    width = max(min(len(images), columns) * (size + 0.1) + 0.5, _title_width(title))
+    height = title_h + rows * (size + label_h + 0.1) + 0.1
+    canvas = _Canvas(width, height, CELL, title)
+    for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+        x = 0.25 + (i % columns) * (size + 0.1)
+        y = height - title_h - (i // columns + 1) * (size + label_h + 0.1) + label_h
+        canvas.ax.imshow(image, cmap="gray_r", extent=(x, x + size, y, y + size),
+                         interpolation="nearest")
+        text = str(label)
+        if predicted is not None and int(predicted[i]) != label:
+            canvas.ax.text(x + size / 2 + 0.12, y - 0.04, f"→{int(predicted[i])}",
+                           ha="left", va="top", fontsize=FONT - 1, color="#C00000")
+            text += " "
+        canvas.ax.text(x + size / 2, y - 0.04, text, ha="center", va="top", fontsize=FONT)
+    canvas.ax.set_xlim(0, width)
+    canvas.ax.set_ylim(0, height)
+    return canvas.fig
+
+
+def show_sampler(splits: Sequence[Sequence[int]], dataset_size: int, *,
+                 title: str | None = None) -> Figure:
+    """Which dataset indices each rank gets: what `DistributedSampler` hands out.
+
+    `splits[r]` is the list of indices rank r receives (`list(sampler)` on rank r). The
+    top row is the dataset: each index in the colour of the rank that gets it, striped
+    when it goes to two ranks (padding to a multiple of the world size repeats indices),
+    white when no rank gets it (`drop_last=True` leaves it out). Below, each rank's
+    indices in the order it will see them; a repeated one is marked "again".
+    """
+    owners: list[list[int]] = [[] for _ in range(dataset_size)]
+    for rank, indices in enumerate(splits):
+        for index in indices:
+            if not 0 <= index < dataset_size:
+                raise ValueError(f"rank {rank} got index {index}, outside the dataset "
+                                 f"(0..{dataset_size - 1})")
+            owners[index].append(rank)
+    dataset = _Panel(0, np.arange(dataset_size).reshape(1, -1),
+                     [[_owner(tuple(o) if len(o) > 1 else (o[0] if o else None))
+                       for o in owners]], "the dataset", frame="#555555")
+    seen: set[int] = set()
+    panels, repeated = [], []
+    for rank, indices in enumerate(splits):
+        panels.append(_Panel(rank, np.asarray(indices).reshape(1, -1),
+                             [[rank] * len(indices)], f"rank {rank}"))
+        repeated.append([index in seen or seen.add(index) for index in indices])
+    _check_width([dataset, *panels])
+    canvas = _row_layout([[dataset], *[[p] for p in panels]],
+                         [None] * (len(panels) + 1), title, len(splits), between=0.3,
+                         legend_names={"rank": "goes to rank {}",
+                                       "combined": "goes to two ranks (padding)",
+                                       "empty": "dropped (drop_last)"})
+    for panel, again_flags in zip(panels, repeated, strict=True):
+        for j, again in enumerate(again_flags):
+            if again:
+                x = panel.x + j * canvas.cell
+                canvas.ax.add_patch(Rectangle((x + 0.03, panel.y + 0.03), canvas.cell - 0.06,
+                                              canvas.cell - 0.06, fill=False, hatch="///",
+                                              ec=_readable(rank_color(panel.rank)), lw=0))
+                canvas.ax.text(x + canvas.cell / 2, panel.y - 0.03, "again", ha="center",
+                               va="top", fontsize=FONT - 3, color="#555555")
+    return canvas.fig

@@ -368,3 +368,38 @@ def test_shutting_down_never_starts_a_forkserver():
     forkserver.get().stop()
     p.shutdown()
     assert forkserver.running() is None
+
+
+# --- 11. events: values a rank sends home while a call runs ---
+
+def _count_and_emit(n):
+    from ddplab.worker import emit
+
+    for i in range(n):
+        emit({"i": i, "rank": dist.get_rank()})
+        time.sleep(0.01)
+    return n
+
+
+def test_events_arrive_in_order_while_the_call_runs(pool):
+    seen = []
+    out = pool.run(_count_and_emit, 5, on_event=lambda r, v: seen.append((r, v["i"])))
+    assert out == [5, 5, 5]
+    for r in range(3):
+        assert [i for rank, i in seen if rank == r] == [0, 1, 2, 3, 4]
+    assert pool.run(_count_and_emit, 2) == [2, 2, 2]  # without on_event: dropped
+
+
+def test_an_error_in_on_event_is_raised_after_the_call_and_the_pool_goes_on(pool):
+    def bad(rank, value):
+        raise KeyError("my callback")
+
+    with pytest.raises(KeyError, match="my callback"):
+        pool.run(_count_and_emit, 3, on_event=bad)
+    assert pool.run(dist.get_rank) == [0, 1, 2]
+
+
+def test_emit_outside_a_pool_call_does_nothing():
+    from ddplab.worker import emit
+
+    emit("nobody listens")

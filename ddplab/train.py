@@ -1,0 +1,308 @@
+"""DDP on MNIST: one training module that runs unchanged under every launcher.
+
+In a notebook, on a ddplab pool (its process group is reused):
+
+    pool.run(train, Config(epochs=4))
+
+From a shell (`--batch-size` is per rank; `--out DIR` writes DIR/checkpoint.pt):
+
+    python -m ddplab.train                                        # one process
+    torchrun --standalone --nproc_per_node=2 -m ddplab.train      # two ranks, one node
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=1 \\
+        --master_addr=127.0.0.1 --master_port=29500 -m ddplab.train   # "node" 0 ...
+    torchrun --nnodes=2 --node_rank=1 --nproc_per_node=1 \\
+        --master_addr=127.0.0.1 --master_port=29500 -m ddplab.train   # ... and "node" 1
+    srun --ntasks=2 python -m ddplab.train                        # Slurm
+    mpirun -np 2 python -m ddplab.train                           # OpenMPI
+
+The four classic steps are all here, in order: join the process group
+(`launch.init_process_group`), give each rank its share of the data
+(`DistributedSampler`, with `set_epoch` every epoch), wrap the model (`DDP`, which
+broadcasts rank 0's weights and averages gradients during `backward()`), and launch
+(whatever started this process: `launch.detect()` knows which).
+
+Same seed and world size give the very same weights (`torch.equal` on every tensor)
+whichever launcher ran it, and resuming from a checkpoint gives the weights of an
+uninterrupted run: every rank runs `threads` CPU threads (the thread count changes the
+order of float sums), data order comes from the sampler's seed and epoch, and the
+checkpoint holds the optimizer and RNG states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ddplab import launch
+from ddplab.data import load_mnist
+
+CHECKPOINT = "checkpoint.pt"
+MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, the usual normalization
+
+
+@dataclass
+class Config:
+    """One training run. Every field is also a command-line option of `python -m ddplab.train`."""
+
+    epochs: int = 4
+    batch_size: int = 32  # per rank: the global batch is batch_size × world size
+    lr: float = 2e-3
+    seed: int = 0
+    backend: str = "gloo"  # "nccl" puts each rank on its GPU (see launch.gpu_index)
+    data: str | None = None  # a directory with the full MNIST; None: the shipped sample
+    out: str | None = None  # where checkpoint.pt is written after every epoch; None: nowhere
+    resume: bool = False  # continue from OUT/checkpoint.pt
+    threads: int = 1  # CPU threads per rank; the same everywhere, so results are too
+    progress: bool | None = None  # tqdm bar on rank 0; None: when stderr is a terminal
+    log_every: int = 10  # steps between the records passed to `on_log`
+
+
+class Net(nn.Module):
+    """A small CNN (106k parameters): two 3×3 convolutions with pooling, then two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 7 * 7, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def inputs(images: torch.Tensor) -> torch.Tensor:
+    """uint8 N×28×28 digits -> normalized float N×1×28×28, what `Net` takes."""
+    return ((images.float() / 255 - MEAN) / STD).unsqueeze(1)
+
+
+def train(cfg: Config, on_log: Callable[[dict], None] | None = None) -> dict:
+    """Train on every rank of the current launch; return this rank's history and weights.
+
+    `on_log(record)` is called on every rank every `cfg.log_every` steps with this rank's
+    loss (`{"kind": "step", "rank", "epoch", "step", "loss"}`) and after every epoch with
+    the averaged figures (`{"kind": "epoch", ...}`); in a pool, pass `ddplab.worker.emit`
+    to draw them live in the notebook.
+    """
+    check_config(cfg)
+    where = launch.detect()
+    device = launch.device(where, cfg.backend)
+    train_images, train_labels = load_mnist("train", cfg.data)
+    test_images, test_labels = load_mnist("test", cfg.data)
+    train_set = TensorDataset(inputs(train_images), train_labels)
+    if where.world_size > len(train_set):
+        raise ValueError(f"world size {where.world_size} is larger than the "
+                         f"{len(train_set)} training digits: every rank needs at least one. "
+                         "Start fewer ranks.")
+    checkpoint = _checkpoint_path(cfg)
+    torch.set_num_threads(cfg.threads)
+    created = not dist.is_initialized()  # the pool's ranks already have their group
+    launch.init_process_group(where, cfg.backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    # The same seed on every rank; DDP would broadcast rank 0's weights anyway.
+    torch.manual_seed(cfg.seed)
+    model = Net().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    history: list[dict] = []
+    if cfg.resume:
+        history = _load(checkpoint, model, optimizer, device)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=cfg.seed)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
+    show = cfg.progress if cfg.progress is not None else sys.stderr.isatty()
+    step = len(history) * len(loader)
+    for epoch in range(len(history), cfg.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        model.train()
+        started = time.perf_counter()
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss·n, correct, n
+        for x, y in _bar(loader, rank == 0 and show, f"epoch {epoch + 1}/{cfg.epochs}"):
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
+            optimizer.step()
+            step += 1
+            sums += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum(),
+                                 torch.tensor(len(y), device=device)]).double()
+            if on_log is not None and step % cfg.log_every == 0:
+                on_log({"kind": "step", "rank": rank, "epoch": epoch + 1, "step": step,
+                        "loss": loss.item()})
+        seconds = time.perf_counter() - started
+        dist.all_reduce(sums)  # every rank's sums: the averages are over all the data
+        record_ = {"epoch": epoch + 1, "loss": (sums[0] / sums[2]).item(),
+                   "train_accuracy": (sums[1] / sums[2]).item(),
+                   "test_accuracy": evaluate(model.module, test_images, test_labels, device),
+                   "seconds": seconds}
+        history.append(record_)
+        if on_log is not None:
+            on_log({"kind": "epoch", "rank": rank, "step": step, **record_})
+        if rank == 0:
+            print(f"epoch {epoch + 1}/{cfg.epochs}: loss {record_['loss']:.4f}, train accuracy "
+                  f"{record_['train_accuracy']:.2%}, test accuracy "
+                  f"{record_['test_accuracy']:.2%} ({seconds:.1f} s)", flush=True)
+        if checkpoint is not None:
+            _save(checkpoint, model.module, optimizer, history, cfg, rank)
+
+    weights = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
+    if created:
+        dist.destroy_process_group()
+    return {"launcher": where.launcher, "rank": rank, "world_size": world_size,
+            "history": history, "model": weights}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+             device: torch.device) -> float:
+    """Test accuracy over every digit exactly once, shared between the ranks.
+
+    A `DistributedSampler` would pad the test set to a multiple of the world size and
+    count a few digits twice; instead rank r takes digits r, r + W, r + 2W, ..., and the
+    ranks add up their correct answers and counts.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model.eval()
+    mine = slice(rank, None, world_size)
+    correct = torch.zeros(2, dtype=torch.int64, device=device)
+    for start in range(0, len(images[mine]), 500):
+        x = inputs(images[mine][start:start + 500]).to(device)
+        y = labels[mine][start:start + 500].to(device)
+        correct += torch.stack([(model(x).argmax(1) == y).sum(), torch.tensor(len(y),
+                                                                              device=device)])
+    dist.all_reduce(correct)
+    return (correct[0] / correct[1]).item()
+
+
+# --- checks, data and checkpoints -----------------------------------------------------------
+
+def check_config(cfg: Config) -> None:
+    """Refuse a bad configuration on every rank alike, before any rank waits for another."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"train() takes a ddplab.train.Config, not {type(cfg).__name__}")
+    for name in ("epochs", "batch_size", "threads", "log_every"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{name} ({flag}) must be a whole number ≥ 1, not {value!r}")
+    if not cfg.lr > 0:
+        raise ValueError(f"lr (--lr) must be positive, not {cfg.lr!r}")
+    if cfg.backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {cfg.backend!r} is not one this module trains with: "
+                         "use 'gloo' (CPU) or 'nccl' (one GPU per rank)")
+    if cfg.resume and cfg.out is None:
+        raise ValueError("resume needs the directory of the checkpoint to resume from: "
+                         "pass out (--out DIR) too")
+
+
+def _checkpoint_path(cfg: Config) -> Path | None:
+    if cfg.out is None:
+        return None
+    path = Path(cfg.out) / CHECKPOINT
+    if cfg.resume and not path.is_file():
+        raise FileNotFoundError(f"resume: there is no checkpoint at {path}. Train without "
+                                "resume first (with the same out) to write one, or check "
+                                "the path; every rank must see this file.")
+    return path
+
+
+def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+          history: list[dict], cfg: Config, rank: int) -> None:
+    """Rank 0 writes the checkpoint atomically; every rank waits until it is there.
+
+    The state dict is the bare module's (no `module.` prefix), so it loads into a plain
+    `Net` too. Written to a temporary file and renamed, so a crash mid-write never leaves
+    a truncated checkpoint where the last good one was.
+    """
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "epoch": len(history), "history": history,
+                 "config": dataclasses.asdict(cfg), "world_size": dist.get_world_size(),
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    dist.barrier()
+
+
+def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+          device: torch.device) -> list[dict]:
+    """Restore weights, optimizer and RNG from `path` (torch.load's safe weights_only mode)."""
+    state = torch.load(path, map_location=device)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"].cpu())
+    random.setstate(state["rng"]["python"])
+    if state["world_size"] != dist.get_world_size() and dist.get_rank() == 0:
+        print(f"note: {path} was written by {state['world_size']} ranks and is resumed by "
+              f"{dist.get_world_size()}: training goes on, but not as one uninterrupted run "
+              "would.", flush=True)
+    return list(state["history"])[:state["epoch"]]
+
+
+def _bar(loader: DataLoader, show: bool, desc: str):
+    if not show:
+        return loader
+    from tqdm.auto import tqdm
+
+    return tqdm(loader, desc=desc, leave=False, file=sys.stderr)
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """`python -m ddplab.train --epochs 2 ...` -> Config (defaults from Config itself)."""
+    d = Config()
+    p = argparse.ArgumentParser(prog="python -m ddplab.train",
+                                description="Train a small CNN on MNIST with DDP, under "
+                                            "whichever launcher started this process.")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per rank")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=d.backend)
+    p.add_argument("--data", metavar="DIR", help="the full MNIST, from `ddplab data download "
+                   "--root DIR` (default: the 10,000-digit sample shipped with ddplab)")
+    p.add_argument("--out", metavar="DIR", help="write DIR/checkpoint.pt after every epoch")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--threads", type=int, default=d.threads, help="CPU threads per rank")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on rank 0 (default: when stderr is a terminal)")
+    return Config(**vars(p.parse_args(argv)))
+
+
+@record  # under torchrun, a failing rank's traceback is written where the agent reports it
+def main(argv: list[str] | None = None) -> None:
+    result = train(parse_args(argv))
+    if result["rank"] == 0 and result["history"]:
+        last = result["history"][-1]
+        print(f"done: {result['world_size']} rank{'s' if result['world_size'] > 1 else ''} "
+              f"({result['launcher']}), test accuracy {last['test_accuracy']:.2%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""ddplab.train: one DDP training module, the same weights under every launcher.
+
+Real ranks everywhere: a ddplab Pool, real `torchrun` and, where OpenMPI is installed, a
+real `mpirun`. Tests that start a launcher are marked `launchers` (deselect them with
+`-m "not launchers"` for a fast inner loop); with DDPLAB_REQUIRE_LAUNCHERS set (CI), a
+missing `mpirun` fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddplab import Pool, RankError
+from ddplab.data import load_mnist
+from ddplab.train import CHECKPOINT, Config, Net, inputs, train
+
+MPIRUN = shutil.which("mpirun")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def write_idx(path: Path, array: torch.Tensor) -> None:
+    """An IDX file as MNIST ships it: zero, zero, type 8 (uint8), dims, big-endian sizes."""
+    header = bytes([0, 0, 8, array.dim()]) + b"".join(n.to_bytes(4, "big") for n in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.to(torch.uint8).contiguous().numpy().tobytes())
+
+
+@pytest.fixture(scope="module")
+def small_mnist(tmp_path_factory) -> Path:
+    """The first 600 training and 200 test digits of the shipped sample, as a --data DIR."""
+    root = tmp_path_factory.mktemp("mnist")
+    for split, prefix, count in (("train", "train", 600), ("test", "t10k", 200)):
+        images, labels = load_mnist(split)
+        write_idx(root / f"{prefix}-images-idx3-ubyte.gz", images[:count])
+        write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", labels[:count])
+    return root
+
+
+def run_module(launcher: list[str], *args: str,
+               timeout: float = 180) -> subprocess.CompletedProcess:
+    """`<launcher> python -m ddplab.train ARGS` from the repo, output captured."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([*launcher, "-m", "ddplab.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={n}"]
+
+
+def mpirun(n: int) -> list[str]:
+    if MPIRUN is None:
+        if os.environ.get("DDPLAB_REQUIRE_LAUNCHERS"):
+            pytest.fail("mpirun is missing (DDPLAB_REQUIRE_LAUNCHERS is set): install "
+                        "Debian's openmpi-bin")
+        pytest.skip("mpirun not found: install OpenMPI (Debian: apt-get install openmpi-bin)")
+    return [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(n), sys.executable]
+
+
+def load(out: Path) -> dict:
+    return torch.load(out / CHECKPOINT)  # torch's default: weights_only=True
+
+
+# --- the same weights, whoever launched it ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pool_run(small_mnist, tmp_path_factory) -> tuple[list, Path]:
+    out = tmp_path_factory.mktemp("pool")
+    with Pool(2) as pool:
+        results = pool.run(train, Config(epochs=2, data=str(small_mnist), out=str(out)))
+    return results, out
+
+
+def test_every_rank_of_the_pool_ends_with_the_same_weights(pool_run):
+    results, _ = pool_run
+    assert [r["launcher"] for r in results] == ["pool", "pool"]
+    assert same_weights(results[0]["model"], results[1]["model"])
+    assert [e["epoch"] for e in results[0]["history"]] == [1, 2]
+
+
+def test_the_checkpoint_holds_a_bare_state_dict_and_loads_with_weights_only(pool_run):
+    results, out = pool_run
+    state = load(out)
+    assert state["epoch"] == 2 and state["world_size"] == 2
+    assert not any(k.startswith("module.") for k in state["model"])
+    assert same_weights(state["model"], results[0]["model"])
+    Net().load_state_dict(state["model"])  # loads into the plain model
+    assert {"optimizer", "rng", "config", "history"} <= state.keys()
+    assert not list(out.glob(".*"))  # no temporary file left beside it
+
+
+@pytest.mark.launchers
+def test_torchrun_ends_with_the_pool_runs_weights(pool_run, small_mnist, tmp_path):
+    done = run_module(torchrun(2), "--epochs=2", f"--data={small_mnist}", f"--out={tmp_path}")
+    assert done.returncode == 0, done.stderr
+    assert same_weights(load(tmp_path)["model"], pool_run[0][0]["model"])
+    assert "epoch 2/2" in done.stdout and "(torchrun)" in done.stdout
+    assert done.stdout.count("epoch 1/2") == 1  # rank 0 alone reports
+
+
+@pytest.mark.launchers
+def test_mpirun_ends_with_the_pool_runs_weights(pool_run, small_mnist, tmp_path):
+    done = run_module(mpirun(2), "--epochs=2", f"--data={small_mnist}", f"--out={tmp_path}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert same_weights(load(tmp_path)["model"], pool_run[0][0]["model"])
+    assert "(openmpi)" in done.stdout
+
+
+def test_resuming_after_epoch_1_gives_the_weights_of_2_epochs_in_one_go(pool_run, small_mnist,
+                                                                        tmp_path):
+    cfg = Config(epochs=1, data=str(small_mnist), out=str(tmp_path))
+    with Pool(2) as pool:
+        pool.run(train, cfg)
+        assert load(tmp_path)["epoch"] == 1
+        resumed = pool.run(train, Config(epochs=2, data=str(small_mnist), out=str(tmp_path),
+                                         resume=True))
+    assert same_weights(resumed[0]["model"], pool_run[0][0]["model"])
+    assert [e["epoch"] for e in resumed[0]["history"]] == [1, 2]
+
+
+def test_one_process_alone_trains_and_reports(small_mnist, tmp_path):
+    done = run_module([sys.executable], "--epochs=1", f"--data={small_mnist}",
+                      f"--out={tmp_path}", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "done: 1 rank (single)" in done.stdout
+    assert load(tmp_path)["world_size"] == 1
+
+
+# --- gradient equivalence ---------------------------------------------------------------------
+
+def _ddp_gradients(x_all, y_all, sizes):
+    """DDP's gradient on this rank, each rank taking its slice of `sizes` digits."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    start = sum(sizes[:rank])
+    torch.manual_seed(0)
+    model = DDP(Net())
+    F.cross_entropy(model(x_all[start:start + sizes[rank]]),
+                    y_all[start:start + sizes[rank]]).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _one_process_gradients(x, y):
+    torch.manual_seed(0)
+    model = Net()
+    F.cross_entropy(model(x), y).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_n_ranks_with_batch_b_step_like_one_process_with_batch_n_times_b():
+    images, labels = load_mnist("train")
+    x, y = inputs(images[:64]), labels[:64]
+    with Pool(2) as pool:
+        even = pool.run(_ddp_gradients, x, y, [32, 32])[0]
+        uneven = pool.run(_ddp_gradients, x[:40], y[:40], [32, 8])[0]
+    big = _one_process_gradients(x, y)
+    worst = max((a - b).abs().max().item() for a, b in zip(even, big, strict=True))
+    assert worst < 1e-6  # float rounding: the sums run in another order
+    # Uneven batches: the mean of the ranks' means weighs rank 1's 8 digits like 32.
+    big = _one_process_gradients(x[:40], y[:40])
+    assert max((a - b).abs().max().item() for a, b in zip(uneven, big, strict=True)) > 1e-4
+
+
+# --- accuracy and speed -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_defaults_reach_97_percent_on_the_shipped_test_split_within_a_minute():
+    with Pool(2) as pool:
+        result = pool.run(train, Config(), timeout=60)[0]
+    assert result["history"][-1]["test_accuracy"] >= 0.97
+
+
+# --- bad input: a clear error on every rank, none left waiting ------------------------------------
+
+@pytest.mark.parametrize("cfg, error, match", [
+    (Config(batch_size=0), "ValueError", r"batch_size \(--batch-size\) must be a whole number"),
+    (Config(epochs=-1), "ValueError", r"epochs \(--epochs\) must be"),
+    (Config(lr=0.0), "ValueError", r"lr \(--lr\) must be positive"),
+    (Config(data="/nonexistent/mnist"), "FileNotFoundError", r"ddplab data download"),
+    (Config(resume=True), "ValueError", r"pass out \(--out DIR\) too"),
+    (Config(resume=True, out="/nonexistent/run"), "FileNotFoundError",
+     r"no checkpoint at /nonexistent/run/checkpoint.pt"),
+    (Config(backend="nccl"), "LaunchError", r"--backend gloo"),
+])
+def test_bad_input_is_refused_on_every_rank(cfg, error, match):
+    if cfg.backend == "nccl" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with Pool(2) as pool, pytest.raises(RankError) as caught:
+        pool.run(train, cfg, timeout=30)
+    failures = caught.value.failures
+    assert sorted(failures) == [0, 1] and not caught.value.stuck
+    for failure in failures.values():
+        assert failure.type == error
+        assert re.search(match, failure.message), failure.message
+
+
+def test_a_world_larger_than_the_data_is_refused(tmp_path):
+    images, labels = load_mnist("test")
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", images[:2])
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", labels[:2])
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images[:2])
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", labels[:2])
+    with Pool(3) as pool, pytest.raises(RankError) as caught:
+        pool.run(train, Config(data=str(tmp_path)), timeout=30)
+    assert sorted(caught.value.failures) == [0, 1, 2]
+    assert "world size 3 is larger than the 2 training digits" in str(caught.value)
+
+
+@pytest.mark.launchers
+def test_a_bad_option_under_torchrun_fails_fast_on_every_rank():
+    done = run_module(torchrun(2), "--batch-size=0", timeout=120)
+    assert done.returncode != 0
+    assert "batch_size (--batch-size) must be a whole number" in done.stderr
+    assert "ChildFailedError" in done.stderr
