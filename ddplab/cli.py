@@ -4,6 +4,9 @@
 and rendezvous are local, and a classroom laptop should not serve notebooks to the network).
 ``ddplab execute`` re-runs notebooks in place so that their committed outputs always come
 from the kit itself (see :mod:`ddplab.notebooks`).
+``ddplab data download`` fetches the full MNIST set and verifies it; ``ddplab data info``
+describes the MNIST sample shipped in the package, or a downloaded set (see
+:mod:`ddplab.data`).
 
 This module only parses arguments and dispatches; each subcommand's work lives in the module
 named for it, imported only when that subcommand runs. This module itself imports nothing
@@ -178,6 +181,65 @@ def _run_doctor(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+# --- ddplab data -----------------------------------------------------------------------------
+
+
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "data",
+        help="download the full MNIST, or describe the data a training run reads",
+        description=(
+            "MNIST for the training chapters. A 10,000-digit sample ships with ddplab and "
+            "is used when no --data directory is given; `download` fetches the full "
+            "70,000 digits."
+        ),
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    dl = actions.add_parser(
+        "download",
+        help="download the full MNIST (70,000 digits) and verify its checksums",
+        description=(
+            "Download the four MNIST files into DIR, checking each against its published "
+            "SHA-256. Files already there and verified are kept; nothing partial or corrupt "
+            "is ever left behind. Several processes may run it at once on one DIR: one "
+            "downloads, the others wait for it (on DIR/.download.lock)."
+        ),
+    )
+    dl.add_argument("--root", type=Path, default=Path("data"), metavar="DIR",
+                    help="directory to download into (default: ./data)")
+    dl.add_argument("--no-progress", action="store_true", help="print no progress bars")
+    dl.add_argument("--mirror", action="append", dest="mirrors", metavar="URL",
+                    help="base URL to fetch the files from, instead of the default mirrors "
+                         "(repeatable, tried in order; file:// URLs work too)")
+    info = actions.add_parser(
+        "info",
+        help="describe the shipped sample, or the MNIST in DIR",
+        description=(
+            "Print each split's files, digit count, digits per class and whether the files' "
+            "checksums match: the sample shipped with ddplab, or the files in DIR."
+        ),
+    )
+    info.add_argument("--root", type=Path, default=None, metavar="DIR",
+                      help="directory holding the downloaded files (default: the sample)")
+    p.set_defaults(handler=_run_data, passthrough=False)
+
+
+def _run_data(args: argparse.Namespace, extra: list[str]) -> int:
+    from ddplab.data import DownloadError, describe, download_mnist
+
+    prog = f"ddplab data {args.action}"
+    try:
+        if args.action == "info":
+            print(describe(args.root))
+            return 0
+        root = download_mnist(args.root, mirrors=args.mirrors, progress=not args.no_progress)
+    except (DownloadError, OSError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    print(f"MNIST is in {root}, verified; load it with load_mnist(root={str(root)!r}).")
+    return 0
+
+
 # --- the command -----------------------------------------------------------------------------
 
 # One entry per subcommand: an `_add_<name>(sub)` that builds its parser and sets `handler`
@@ -187,6 +249,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_lab,
     _add_execute,
     _add_doctor,
+    _add_data,
 )
 
 
