@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from ddplab import Pool
+from ddplab.pool import quiet_pool
 from ddplab.train import CHECKPOINT, Config, train
 
 
 def pool_run(world_size: int, cfg: Config) -> tuple[list[float], dict]:
-    with Pool(world_size, timeout=600) as pool:
+    with quiet_pool(world_size, timeout=600) as pool:  # rank 0 prints each epoch: not here
         result = pool.run(train, cfg)[0]
     return [e["seconds"] for e in result["history"]], result["model"]
 
