@@ -182,15 +182,16 @@ def _why_not(column: Column) -> str | None:
 
 
 def _ranks_for(column: Column, world_size: int) -> tuple[int, str | None]:
-    """How many ranks to start: NCCL needs a GPU per rank, so it may get fewer than asked."""
-    if column.backend != "nccl":
+    """How many ranks to start: on GPUs each rank has its own (`launch.gpu_index`), so a
+    CUDA column may get fewer ranks than asked."""
+    if column.device != "cuda":
         return world_size, None
     gpus = torch.cuda.device_count()
     if gpus >= world_size:
         return world_size, None
     return gpus, (f"{column} ran with {gpus} rank{'s' if gpus != 1 else ''}, not {world_size}: "
-                  f"NCCL needs one GPU per rank and {gpus} {'is' if gpus == 1 else 'are'} "
-                  "visible.")
+                  f"each rank needs a GPU of its own and {gpus} "
+                  f"{'is' if gpus == 1 else 'are'} visible.")
 
 
 # --- cells and the matrix ------------------------------------------------------------------------
@@ -299,8 +300,11 @@ or are stuck waiting for it, so the pool's general-purpose 3 s would only slow t
 
 
 def _device(kind: str, rank: int) -> torch.device:
+    """The probe's device on this rank: for CUDA, the GPU the kit's one policy gives it."""
     if kind == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
+        from ddplab import launch
+
+        return launch.device(launch.detect(), "nccl")
     return torch.device(kind)
 
 
