@@ -28,7 +28,9 @@ from ddplab.viz import FONT, _readable, png_bytes, rank_color
 class LossCurves:
     """Collects training records from the ranks and keeps a picture of them up to date."""
 
-    def __init__(self, world_size: int, *, every: float = 1.0, title: str | None = None):
+    def __init__(self, world_size: int, *, every: float | None = 1.0,
+                 title: str | None = None):
+        """`every`: seconds between live redraws; None draws nothing until `finish()`."""
         self.world_size = world_size
         self.every = every
         self.title = title or f"Training loss on {world_size} rank{'s' * (world_size != 1)}"
@@ -43,7 +45,7 @@ class LossCurves:
             self.steps[rank][record["step"]] = record["loss"]
         elif record.get("kind") == "epoch" and rank == 0:
             self.epochs.append(record)
-        if time.monotonic() - self._drawn >= self.every:
+        if self.every is not None and time.monotonic() - self._drawn >= self.every:
             self._show()
 
     def average(self) -> tuple[np.ndarray, np.ndarray]:

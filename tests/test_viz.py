@@ -166,3 +166,47 @@ def test_bad_shapes_are_clear_errors():
         viz.show_ranks([torch.zeros(2, 2, 2)])
     with pytest.raises(ValueError, match="owners has 3 entries for a tensor of 2 values"):
         viz.show_ranks([torch.zeros(2)], owners=[[0, 1, 2]])
+
+
+# --- chapter 5: digits, the sampler's split, loss curves ---
+
+def test_show_digits_writes_each_label_and_marks_wrong_predictions():
+    images = torch.zeros(3, 28, 28, dtype=torch.uint8)
+    fig = viz.show_digits(images, [7, 1, 4], predicted=[7, 2, 4], title="digits")
+    assert len(fig.axes[0].images) == 3
+    assert {"7", "4", "→2"} <= set(texts(fig))
+    with pytest.raises(ValueError, match="as many labels as images"):
+        viz.show_digits(images, [1, 2])
+
+
+def test_show_sampler_colours_each_index_by_the_ranks_that_get_it():
+    # 5 samples on 2 ranks: padded to 6, so one index goes to both ranks.
+    splits = [[3, 0, 4], [1, 2, 3]]
+    fig = viz.show_sampler(splits, 5)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["goes to rank 0", "goes to rank 1", "goes to two ranks (padding)"]
+    assert cell_at(fig, "0") == colour_of(0)  # the dataset row first: index 0, rank 0's
+    assert cell_at(fig, "2") == colour_of(1)
+    assert cell_at(fig, "3") == tuple(round(c, 3) for c in to_rgb(viz.COMBINED))
+    assert texts(fig).count("again") == 1
+    dropped = viz.show_sampler([[0], [1]], 3)  # drop_last: index 2 goes nowhere
+    assert "dropped (drop_last)" in [t.get_text() for t in dropped.axes[0].get_legend().get_texts()]
+    with pytest.raises(ValueError, match="outside the dataset"):
+        viz.show_sampler([[0, 9]], 3)
+
+
+def test_loss_curves_average_the_steps_every_rank_reported():
+    from ddplab.curves import LossCurves
+
+    curves = LossCurves(world_size=2, every=None)  # no notebook here to draw in
+    for rank, losses in ((0, [2.0, 1.0, 0.5]), (1, [1.0, 0.5])):
+        for step, loss in enumerate(losses, start=1):
+            curves.add(rank, {"kind": "step", "rank": rank, "step": step * 10, "loss": loss})
+    curves.add(0, {"kind": "epoch", "rank": 0, "epoch": 1, "loss": 0.9, "test_accuracy": 0.95,
+                   "step": 30, "train_accuracy": 0.9, "seconds": 1.0})
+    steps, mean = curves.average()
+    assert steps.tolist() == [10, 20] and mean.tolist() == [1.5, 0.75]
+    fig = curves.figure()
+    assert [line.get_label() for line in fig.axes[0].lines] == [
+        "rank 0 (its own batches)", "rank 1 (its own batches)", "average over ranks"]
+    assert "95.00%" in fig.texts[0].get_text()
