@@ -19,6 +19,7 @@ in the same run, not an absolute time.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -39,12 +40,13 @@ def pool_run(world_size: int, cfg: Config) -> tuple[list[float], dict]:
 
 
 def torchrun_run(world_size: int, cfg: Config) -> tuple[list[float], dict]:
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out:  # also torchrun's TMPDIR: it leaves logs there
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={world_size}", "-m", "ddplab.train",
                         f"--epochs={cfg.epochs}", f"--batch-size={cfg.batch_size}",
                         f"--seed={cfg.seed}", f"--threads={cfg.threads}", f"--out={out}"],
-                       check=True, capture_output=True, timeout=600)
+                       check=True, capture_output=True, timeout=600,
+                       env=dict(os.environ, TMPDIR=out))
         state = torch.load(Path(out) / CHECKPOINT)
     return [e["seconds"] for e in state["history"]], state["model"]
 

@@ -50,6 +50,12 @@ def small_mnist(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def private_tmpdir(tmp_path, monkeypatch):
+    """torchrun leaves a log folder in the temporary directory: keep it in the test's."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 def run_module(launcher: list[str], *args: str,
                timeout: float = 180) -> subprocess.CompletedProcess:
     """`<launcher> python -m ddplab.train ARGS` from the repo, output captured."""
