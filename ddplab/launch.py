@@ -305,26 +305,29 @@ def gpu_index(local_rank: int, local_world_size: int, visible: int) -> int:
     return local_rank
 
 
-def check_gpus(processes: int) -> None:
-    """Refuse an NCCL run of `processes` processes on this node before anything starts."""
-    gloo = "the gloo backend (backend='gloo', or --backend gloo)"
+def check_gpus(processes: int, *, nccl: str = "the nccl backend",
+               gloo: str = "the gloo backend") -> None:
+    """Refuse an NCCL run of `processes` processes on this node before anything starts.
+
+    `nccl` and `gloo` name the backends the way the caller's user chooses them (the pool:
+    `backend='gloo'`; the command line: `--backend gloo`), so the fix reads as they type it.
+    """
     import torch
     import torch.distributed as dist
 
     if not dist.is_nccl_available():
-        raise LaunchError("the nccl backend is not available in this build of torch. Use "
-                          f"{gloo} on the CPU, or install a CUDA build of torch.")
+        raise LaunchError(f"{nccl} is not available in this build of torch. Use {gloo} (CPU), "
+                          "or install a CUDA build of torch.")
     if not torch.cuda.is_available():
-        raise LaunchError("the nccl backend needs NVIDIA GPUs, and torch sees none here "
+        raise LaunchError(f"{nccl} needs NVIDIA GPUs, and torch sees none here "
                           f"(torch.cuda.is_available() is False). Use {gloo} to run on the "
                           "CPU, or run on a machine with GPUs and a CUDA build of torch.")
     visible = torch.cuda.device_count()
     if visible < processes:
-        raise LaunchError(f"the nccl backend needs one GPU per rank: {processes} ranks need "
-                          f"{processes} GPUs but {visible} "
-                          f"{'is' if visible == 1 else 'are'} visible. Use {visible} "
-                          f"rank{'s' if visible != 1 else ''}, or {gloo} for {processes} "
-                          "ranks on the CPU.")
+        raise LaunchError(f"{nccl} needs one GPU per rank: {processes} ranks need {processes} "
+                          f"GPUs but {visible} {'is' if visible == 1 else 'are'} visible. Use "
+                          f"{visible} rank{'s' if visible != 1 else ''}, or {gloo} for "
+                          f"{processes} ranks on the CPU.")
 
 
 def device(launch: Launch, backend: str) -> torch.device:
@@ -333,8 +336,8 @@ def device(launch: Launch, backend: str) -> torch.device:
 
     if backend != "nccl":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        check_gpus(1)  # raises, naming the reason
+    if not torch.cuda.is_available():  # raises, naming the reason
+        check_gpus(1, nccl="--backend nccl", gloo="--backend gloo")
     index = gpu_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count())
     return torch.device("cuda", index)
 

@@ -140,7 +140,7 @@ class Pool:
             raise PoolValueError(f"threads must be a positive int, not {threads!r}")
         if backend == "nccl":
             try:
-                launch.check_gpus(world_size)
+                launch.check_gpus(world_size, nccl="backend='nccl'", gloo="backend='gloo'")
             except launch.LaunchError as exc:
                 raise PoolValueError(str(exc)) from None
 
