@@ -136,6 +136,18 @@ def run_in_time(pool, fn: Callable, *args, meaning: str, hint: str,
                      f"still {where}. {meaning}", hint) from None
 
 
+def show(value) -> str:
+    """A value as a verdict quotes it: tensors with their values and dtype, nested in lists."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.tolist()}, dtype={str(value.dtype).removeprefix('torch.')})"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(show(item) for item in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return repr(value)
+
+
 def expect(condition: bool, message: str, hint: str = "") -> None:
     """Fail the attempt with `message` unless `condition` holds."""
     if not condition:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from ddplab.errors import ranks_text
-from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time
+from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time, show
 
 DEADLINE = 5.0
 """Seconds an attempt may take on the ranks: correct answers take milliseconds."""
@@ -29,17 +29,6 @@ def _run(pool, fn: Callable, *args) -> list:
     """pool.run with the exercise's deadline; a hang becomes a NotYet that says where."""
     return run_in_time(pool, fn, *args, deadline=DEADLINE, hint=MATCH_HINT,
                        meaning="The ranks did not make the same collective calls.")
-
-
-def _show(value) -> str:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return f"tensor({value.tolist()}, dtype={str(value.dtype).removeprefix('torch.')})"
-    if isinstance(value, (list, tuple)):
-        inner = ", ".join(_show(item) for item in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
-    return repr(value)
 
 
 def _same(got, want) -> bool:
@@ -141,12 +130,12 @@ def check_global_max(attempt: Callable) -> str:
                 where = f"with {world_size} ranks ({dtype} tensors {rows})"
                 for rank, (value, _, _) in enumerate(got):
                     expect(isinstance(value, (tuple, list)) and len(value) == 2,
-                           f"{where}, rank {rank} returned {_show(value)}; expected the "
+                           f"{where}, rank {rank} returned {show(value)}; expected the "
                            f"pair (value, rank) = {want} on every rank.",
                            "return a pair: `return value, owner`.")
                     v, o = _scalar(value[0]), _scalar(value[1])
                     expect(v is not None and o is not None,
-                           f"{where}, rank {rank} returned {_show(value)}; expected two "
+                           f"{where}, rank {rank} returned {show(value)}; expected two "
                            f"numbers, {want}.",
                            "turn one-element tensors into numbers with .item().")
                     expect(v == best,
@@ -198,15 +187,15 @@ def check_all_gather_by_broadcast(attempt: Callable) -> str:
                            "into new buffers, and broadcast t itself only when it is your "
                            "turn to send.")
                     expect(isinstance(value, (list, tuple)) and len(value) == world_size,
-                           f"{where}, rank {rank} returned {_show(value)}; expected a list "
+                           f"{where}, rank {rank} returned {show(value)}; expected a list "
                            f"of {world_size} tensors, one per rank in rank order (its own "
                            "included).")
                     shared = len({id(item) for item in value}) < len(value)
                     for r, (item, want) in enumerate(zip(value, tensors, strict=True)):
                         others = [k for k, other in enumerate(tensors) if _same(item, other)]
                         expect(_same(item, want),
-                               f"{where}, item {r} of rank {rank}'s list is {_show(item)}; "
-                               f"expected rank {r}'s tensor {_show(want)}.",
+                               f"{where}, item {r} of rank {rank}'s list is {show(item)}; "
+                               f"expected rank {r}'s tensor {show(want)}.",
                                "broadcast writes into the tensor it is given on every rank "
                                "but the source: one shared buffer ends up holding the last "
                                "broadcast only. Make a fresh buffer for each source."
@@ -261,8 +250,8 @@ def check_reduce_scatter_by_hand(attempt: Callable) -> str:
                     elif isinstance(value, torch.Tensor) and value.dtype != want.dtype:
                         hint = "keep the dtype of t."
                     expect(_same(value, want),
-                           f"{where}, rank {rank} returned {_show(value)}; expected piece "
-                           f"{rank} of the sum, {_show(want)}.", hint)
+                           f"{where}, rank {rank} returned {show(value)}; expected piece "
+                           f"{rank} of the sum, {show(want)}.", hint)
                     expect(unchanged,
                            f"{where}, rank {rank}'s tensor t was changed by your function; "
                            "like dist.reduce_scatter, it must only produce its result.",

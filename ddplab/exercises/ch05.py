@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time
+from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time, show
 
 DEADLINE = 5.0
 """Seconds an attempt may take on the ranks: correct answers take well under one."""
@@ -317,17 +317,6 @@ def _whole(value):
     return value if isinstance(value, int) else None
 
 
-def _show(value) -> str:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return f"tensor({value.tolist()}, dtype={str(value.dtype).removeprefix('torch.')})"
-    if isinstance(value, (list, tuple)):
-        inner = ", ".join(_show(item) for item in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
-    return repr(value)
-
-
 def _scalar(value):
     import torch
 
@@ -341,22 +330,22 @@ def _pair(value, where: str, rank: int, want: tuple[int, int]) -> tuple[int, int
     import torch
 
     if isinstance(value, torch.Tensor) and value.numel() == 2:
-        raise NotYet(f"{where}, rank {rank} returned one tensor, {_show(value)}; expected "
+        raise NotYet(f"{where}, rank {rank} returned one tensor, {show(value)}; expected "
                      f"the pair (correct, total) = {want} as two Python ints.",
                      "a two-element tensor becomes two ints with "
                      "`correct, total = t.tolist()`.")
     expect(isinstance(value, (tuple, list)) and len(value) == 2,
-           f"{where}, rank {rank} returned {_show(value)}; expected the pair (correct, "
+           f"{where}, rank {rank} returned {show(value)}; expected the pair (correct, "
            f"total) = {want} on every rank.",
            "return two numbers: `return correct, total`." if value is not None else "")
     correct, total = _whole(value[0]), _whole(value[1])
     if correct is None and isinstance(_scalar(value[0]), float) and 0 <= _scalar(value[0]) <= 1:
-        raise NotYet(f"{where}, rank {rank} returned {_show(value)}: {_scalar(value[0])!r} "
+        raise NotYet(f"{where}, rank {rank} returned {show(value)}: {_scalar(value[0])!r} "
                      f"looks like an accuracy; expected the counts {want}.",
                      "return how many digits were right and how many were counted; the "
                      "accuracy is their ratio, for the caller to compute.")
     expect(correct is not None and total is not None,
-           f"{where}, rank {rank} returned {_show(value)}; expected two whole numbers, "
+           f"{where}, rank {rank} returned {show(value)}; expected two whole numbers, "
            f"{want}.",
            "a one-element tensor becomes a Python int with int(t) or t.item().")
     return correct, total
