@@ -278,22 +278,6 @@ def _child(spec: dict, fds: list[int], closing: list[int]) -> None:
         os._exit(code)
 
 
-_WARM_AFTER = 1.0
-"""Seconds the server must be idle before it imports `_preload_idle`'s modules."""
-
-
-def _preload_idle() -> None:
-    """Import what a rank would otherwise import on first use, at seconds of CPU each.
-
-    DDP's constructor imports `torch._dynamo` (about 3 s of CPU on this kind of machine),
-    so without this every rank of every fresh pool pays it at its first `DDP(model)`.
-    It is imported only once the server has been idle for `_WARM_AFTER` s, so that the
-    first pool of a fresh kernel, asked for at once, does not wait for it. It starts no
-    thread.
-    """
-    import torch._dynamo  # noqa: F401
-
-
 def serve(sock_fd: int, lifeline_fd: int) -> None:
     """Run the server until the kernel goes; a kernel gone mid-message is no error."""
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -318,14 +302,8 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set[int] = set()
     _send(sock, ("ready", os.getpid()))
-    warm = False
     while True:
-        readable, _, _ = select.select([sock, wake_r, lifeline_fd], [], [],
-                                       None if warm else _WARM_AFTER)
-        if not readable:  # idle: load the next tier now, so ranks forked later have it
-            _preload_idle()
-            warm = True
-            continue
+        readable, _, _ = select.select([sock, wake_r, lifeline_fd], [], [])
         if lifeline_fd in readable:  # the kernel is gone
             _kill_all(children)
             return

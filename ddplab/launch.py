@@ -289,13 +289,15 @@ def free_port() -> int:
 def gpu_index(local_rank: int, local_world_size: int, visible: int) -> int:
     """Which of the `visible` CUDA devices the process with this local rank uses.
 
-    One GPU per process: local rank r uses `cuda:r`. When a process sees exactly one GPU,
-    the launcher has already given each process its own (Slurm's `--gpus-per-task=1`, or
-    a CUDA_VISIBLE_DEVICES per process), and that one is `cuda:0` whatever the local rank.
+    One GPU per process: local rank r uses `cuda:r`. When a process sees exactly one GPU
+    and CUDA_VISIBLE_DEVICES is set, the launcher has already given each process its own
+    (Slurm's `--gpus-per-task=1`, or a CUDA_VISIBLE_DEVICES per process), and that one is
+    `cuda:0` whatever the local rank. Without that variable, one GPU for several processes
+    on a node is refused: NCCL cannot put two ranks on one GPU.
     """
-    if visible == 1:
+    if visible == 1 and (local_world_size == 1 or "CUDA_VISIBLE_DEVICES" in os.environ):
         return 0
-    if visible == 0 or local_rank >= visible:
+    if visible <= 1 or local_rank >= visible:
         raise LaunchError(
             f"NCCL needs one GPU per process: local rank {local_rank} of "
             f"{local_world_size} on this node has no GPU ({visible} visible). Start at most "
@@ -336,8 +338,7 @@ def device(launch: Launch, backend: str) -> torch.device:
 
     if backend != "nccl":
         return torch.device("cpu")
-    if not torch.cuda.is_available():  # raises, naming the reason
-        check_gpus(1, nccl="--backend nccl", gloo="--backend gloo")
+    check_gpus(1, nccl="--backend nccl", gloo="--backend gloo")  # no GPU, no NCCL: say so
     index = gpu_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count())
     return torch.device("cuda", index)
 

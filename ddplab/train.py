@@ -21,11 +21,12 @@ The four classic steps are all here, in order: join the process group
 broadcasts rank 0's weights and averages gradients during `backward()`), and launch
 (whatever started this process: `launch.detect()` knows which).
 
-Same seed and world size give the very same weights (`torch.equal` on every tensor)
-whichever launcher ran it, and resuming from a checkpoint gives the weights of an
-uninterrupted run: every rank runs `threads` CPU threads (the thread count changes the
-order of float sums), data order comes from the sampler's seed and epoch, and the
-checkpoint holds the optimizer and RNG states.
+On the CPU (gloo), the same seed and world size give the very same weights (`torch.equal`
+on every tensor) whichever launcher ran it, and resuming from a checkpoint gives the
+weights of an uninterrupted run: every rank runs `threads` CPU threads (the thread count
+changes the order of float sums), data order comes from the sampler's seed and epoch, and
+the checkpoint holds the optimizer and RNG states. On GPUs, cuDNN's convolution kernels
+are not deterministic by default, so runs agree only up to float rounding there.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, the usual normalization
 
 @dataclass
 class Config:
-    """One training run. Every field is also a command-line option of `python -m ddplab.train`."""
+    """One training run; every field but `log_every` is an option of `python -m ddplab.train`."""
 
     epochs: int = 4
     batch_size: int = 32  # per rank: the global batch is batch_size × world size
@@ -114,6 +115,10 @@ def train(cfg: Config, on_log: Callable[[dict], None] | None = None) -> dict:
     checkpoint = _checkpoint_path(cfg)
     torch.set_num_threads(cfg.threads)
     created = not dist.is_initialized()  # the pool's ranks already have their group
+    if not created and dist.get_backend() != cfg.backend:
+        raise ValueError(f"this process group uses {dist.get_backend()}, but the config asks "
+                         f"for {cfg.backend}: pass Config(backend={dist.get_backend()!r}) "
+                         "(or start the pool with the backend you want)")
     launch.init_process_group(where, cfg.backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
@@ -123,7 +128,7 @@ def train(cfg: Config, on_log: Callable[[dict], None] | None = None) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     history: list[dict] = []
     if cfg.resume:
-        history = _load(checkpoint, model, optimizer, device)
+        history = _load(checkpoint, model, optimizer, device, cfg)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
@@ -216,9 +221,19 @@ def check_config(cfg: Config) -> None:
 
 
 def _checkpoint_path(cfg: Config) -> Path | None:
+    """OUT/checkpoint.pt, checked on every rank: rank 0 alone writes it, and a rank that
+    failed there alone would leave the others waiting at the barrier after it."""
     if cfg.out is None:
         return None
     path = Path(cfg.out) / CHECKPOINT
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"out: cannot create the directory {path.parent} ({exc.strerror}); "
+                      "pass an --out directory this process may write to") from None
+    if not os.access(path.parent, os.W_OK):
+        raise PermissionError(f"out: {path.parent} is not writable; pass an --out directory "
+                              "this process may write to")
     if cfg.resume and not path.is_file():
         raise FileNotFoundError(f"resume: there is no checkpoint at {path}. Train without "
                                 "resume first (with the same out) to write one, or check "
@@ -249,10 +264,20 @@ def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     dist.barrier()
 
 
+_SAME_ON_RESUME = ("seed", "batch_size", "lr", "data", "threads")
+"""Settings that change the trajectory: a resumed run must keep them to match an
+uninterrupted one (epochs may grow: that is the point of resuming)."""
+
+
 def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-          device: torch.device) -> list[dict]:
+          device: torch.device, cfg: Config) -> list[dict]:
     """Restore weights, optimizer and RNG from `path` (torch.load's safe weights_only mode)."""
     state = torch.load(path, map_location=device)
+    changed = [f"{k}={state['config'][k]!r} there, {getattr(cfg, k)!r} now"
+               for k in _SAME_ON_RESUME if state["config"].get(k) != getattr(cfg, k)]
+    if changed:
+        raise ValueError(f"resume: {path} was trained with other settings ({'; '.join(changed)})"
+                         ". Resume with the same ones, or train afresh in another --out.")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"].cpu())

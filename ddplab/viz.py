@@ -604,7 +604,7 @@ def show_sampler(splits: Sequence[Sequence[int]], dataset_size: int, *,
 
     `splits[r]` is the list of indices rank r receives (`list(sampler)` on rank r). The
     top row is the dataset: each index in the colour of the rank that gets it, striped
-    when it goes to two ranks (padding to a multiple of the world size repeats indices),
+    when it goes to several ranks (padding to a multiple of the world size repeats indices),
     white when no rank gets it (`drop_last=True` leaves it out). Below, each rank's
     indices in the order it will see them; a repeated one is marked "again".
     """
@@ -628,7 +628,7 @@ def show_sampler(splits: Sequence[Sequence[int]], dataset_size: int, *,
     canvas = _row_layout([[dataset], *[[p] for p in panels]],
                          [None] * (len(panels) + 1), title, len(splits), between=0.3,
                          legend_names={"rank": "goes to rank {}",
-                                       "combined": "goes to two ranks (padding)",
+                                       "combined": "goes to several ranks (padding)",
                                        "empty": "dropped (drop_last)"})
     for panel, again_flags in zip(panels, repeated, strict=True):
         for j, again in enumerate(again_flags):

@@ -165,7 +165,7 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
                      local_rank=local_rank, device=device)
 
     conn = Connection(cmd_fd)
-    _call["conn"] = conn
+    _call.update(conn=conn, pid=os.getpid())
     _answer_control(Connection(ctl_fd))
     while True:
         try:
@@ -252,7 +252,9 @@ def emit(value) -> None:
     emits runs unchanged anywhere.
     """
     with _emit_lock:
-        if _call.get("id") is None:
+        # Not between calls, and not from a process the rank forked (a DataLoader worker):
+        # it shares the channel, and its bytes would break the rank's messages.
+        if _call.get("id") is None or _call.get("pid") != os.getpid():
             return
         _call["conn"].send_bytes(_dumps(("event", _call["id"], value)))
 

@@ -105,9 +105,14 @@ def test_slurm_node_lists_and_task_counts():
     assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
 
 
-def test_one_gpu_policy():
+def test_one_gpu_policy(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert gpu_index(local_rank=2, local_world_size=4, visible=4) == 2
-    assert gpu_index(local_rank=3, local_world_size=4, visible=1) == 0  # --gpus-per-task=1
+    assert gpu_index(local_rank=0, local_world_size=1, visible=1) == 0
+    with pytest.raises(LaunchError, match="has no GPU"):  # two ranks cannot share one GPU
+        gpu_index(local_rank=1, local_world_size=2, visible=1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # Slurm's --gpus-per-task=1 sets it
+    assert gpu_index(local_rank=3, local_world_size=4, visible=1) == 0
     with pytest.raises(LaunchError, match="nproc_per_node=2"):
         gpu_index(local_rank=2, local_world_size=4, visible=2)
     with pytest.raises(LaunchError, match="no GPU"):

@@ -58,10 +58,25 @@ def private_tmpdir(tmp_path, monkeypatch):
 
 def run_module(launcher: list[str], *args: str,
                timeout: float = 180) -> subprocess.CompletedProcess:
-    """`<launcher> python -m ddplab.train ARGS` from the repo, output captured."""
+    """`<launcher> python -m ddplab.train ARGS` from the repo, output captured.
+
+    Past the timeout the launcher gets SIGTERM first, so that it stops its own workers
+    (SIGKILL would leave them running), then SIGKILL.
+    """
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([*launcher, "-m", "ddplab.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    command = [*launcher, "-m", "ddplab.train", *args]
+    with subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def torchrun(n: int) -> list[str]:
@@ -139,6 +154,15 @@ def test_resuming_after_epoch_1_gives_the_weights_of_2_epochs_in_one_go(pool_run
     assert [e["epoch"] for e in resumed[0]["history"]] == [1, 2]
 
 
+def test_resuming_with_other_settings_is_refused_naming_them(pool_run, small_mnist):
+    _, out = pool_run
+    cfg = Config(epochs=3, data=str(small_mnist), out=str(out), resume=True, lr=0.01)
+    with Pool(2) as pool, pytest.raises(RankError) as caught:
+        pool.run(train, cfg, timeout=30)
+    assert sorted(caught.value.failures) == [0, 1]
+    assert "lr=0.002 there, 0.01 now" in str(caught.value)
+
+
 def test_one_process_alone_trains_and_reports(small_mnist, tmp_path):
     done = run_module([sys.executable], "--epochs=1", f"--data={small_mnist}",
                       f"--out={tmp_path}", "--no-progress")
@@ -201,8 +225,8 @@ def test_the_defaults_reach_97_percent_on_the_shipped_test_split_within_a_minute
     (Config(lr=0.0), "ValueError", r"lr \(--lr\) must be positive"),
     (Config(data="/nonexistent/mnist"), "FileNotFoundError", r"ddplab data download"),
     (Config(resume=True), "ValueError", r"pass out \(--out DIR\) too"),
-    (Config(resume=True, out="/nonexistent/run"), "FileNotFoundError",
-     r"no checkpoint at /nonexistent/run/checkpoint.pt"),
+    (Config(resume=True, out="/proc/nonexistent/run"), "OSError",
+     r"cannot create the directory /proc/nonexistent/run"),
     (Config(backend="nccl"), "LaunchError", r"--backend gloo"),
 ])
 def test_bad_input_is_refused_on_every_rank(cfg, error, match):
@@ -215,6 +239,13 @@ def test_bad_input_is_refused_on_every_rank(cfg, error, match):
     for failure in failures.values():
         assert failure.type == error
         assert re.search(match, failure.message), failure.message
+
+
+def test_resume_without_a_checkpoint_is_refused_on_every_rank(tmp_path):
+    with Pool(2) as pool, pytest.raises(RankError) as caught:
+        pool.run(train, Config(resume=True, out=str(tmp_path)), timeout=30)
+    assert sorted(caught.value.failures) == [0, 1]
+    assert f"no checkpoint at {tmp_path}/checkpoint.pt" in str(caught.value)
 
 
 def test_a_world_larger_than_the_data_is_refused(tmp_path):

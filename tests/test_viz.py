@@ -184,7 +184,7 @@ def test_show_sampler_colours_each_index_by_the_ranks_that_get_it():
     splits = [[3, 0, 4], [1, 2, 3]]
     fig = viz.show_sampler(splits, 5)
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["goes to rank 0", "goes to rank 1", "goes to two ranks (padding)"]
+    assert legend == ["goes to rank 0", "goes to rank 1", "goes to several ranks (padding)"]
     assert cell_at(fig, "0") == colour_of(0)  # the dataset row first: index 0, rank 0's
     assert cell_at(fig, "2") == colour_of(1)
     assert cell_at(fig, "3") == tuple(round(c, 3) for c in to_rgb(viz.COMBINED))
