@@ -299,7 +299,7 @@ _ERROR_GRACE = 1.0
 or are stuck waiting for it, so the pool's general-purpose 3 s would only slow the doctor."""
 
 
-def _device(kind: str, rank: int) -> torch.device:
+def _device(kind: str) -> torch.device:
     """The probe's device on this rank: for CUDA, the GPU the kit's one policy gives it."""
     if kind == "cuda":
         from ddplab import launch
@@ -322,7 +322,7 @@ def _plain(value: Any) -> Any:
 def _on_rank(run: Callable[[int, int, torch.device], Any], device_kind: str) -> Any:
     """What every rank executes for one probe (runs inside the rank)."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    return _plain(run(rank, n, _device(device_kind, rank)))
+    return _plain(run(rank, n, _device(device_kind)))
 
 
 def _same(got: Any, want: Any) -> bool:

@@ -188,13 +188,13 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model.eval()
-    mine = slice(rank, None, world_size)
-    correct = torch.zeros(2, dtype=torch.int64, device=device)
-    for start in range(0, len(images[mine]), 500):
-        x = inputs(images[mine][start:start + 500]).to(device)
-        y = labels[mine][start:start + 500].to(device)
-        correct += torch.stack([(model(x).argmax(1) == y).sum(), torch.tensor(len(y),
-                                                                              device=device)])
+    my_images, my_labels = images[rank::world_size], labels[rank::world_size]
+    correct = torch.zeros(2, dtype=torch.int64, device=device)  # right answers, digits seen
+    for start in range(0, len(my_labels), 500):
+        x = inputs(my_images[start:start + 500]).to(device)
+        y = my_labels[start:start + 500].to(device)
+        correct[0] += (model(x).argmax(1) == y).sum()
+        correct[1] += len(y)
     dist.all_reduce(correct)
     return (correct[0] / correct[1]).item()
 
