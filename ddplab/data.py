@@ -54,6 +54,8 @@ __all__ = [
     "download_mnist",
     "load_mnist",
     "read_idx",
+    "save_subset",
+    "write_idx",
 ]
 
 SPLITS = ("train", "test")
@@ -198,6 +200,43 @@ def load_mnist(
     labels = _read_idx_array(label_path)
     _check_pair(image_path, images, label_path, labels)
     return torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
+
+
+def write_idx(path: str | os.PathLike[str], array: torch.Tensor) -> None:
+    """Write a uint8 tensor as an IDX file (gzipped when `path` ends in .gz), as MNIST ships.
+
+    The header is two zero bytes, the type (8: unsigned byte), the number of dimensions,
+    then each size as a big-endian 32-bit integer; the values follow, row by row.
+    """
+    import torch
+
+    if array.dtype != torch.uint8 and (array.min() < 0 or array.max() > 255):
+        raise ValueError("write_idx writes unsigned bytes: values must lie in 0..255")
+    header = bytes([0, 0, 0x08, array.dim()]) + b"".join(
+        struct.pack(">I", n) for n in array.shape)
+    data = header + array.to(torch.uint8).contiguous().numpy().tobytes()
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(data)
+
+
+def save_subset(root: str | os.PathLike[str], train: int, test: int) -> Path:
+    """The first `train` and `test` digits of the shipped sample, as a `--data` directory.
+
+    For quick runs (a launcher shown working, a test): `python -m ddplab.train --data
+    ROOT` then trains on `train` digits and tests on `test`. Returns `root`.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", train), ("test", test)):
+        images, labels = load_mnist(split)
+        if not 1 <= count <= len(labels):
+            raise ValueError(f"{split}: the sample has {len(labels)} digits; ask for 1 to "
+                             f"{len(labels)}, not {count}")
+        image_name, label_name = FILES[split]
+        write_idx(root / image_name, images[:count])
+        write_idx(root / label_name, labels[:count])
+    return root
 
 
 def _split_files(split: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]:

@@ -96,6 +96,7 @@ def detect(environ: Mapping[str, str] | None = None) -> Launch:
     if POOL_MARK in env:
         return _from_torch_style(env, "pool")
     if "TORCHELASTIC_RUN_ID" in env:
+        _one_torchrun_per_node(env)
         return _from_torch_style(env, "torchrun")
     if "OMPI_COMM_WORLD_RANK" in env:
         return _agreeing(_from_openmpi(env), env)
@@ -103,6 +104,7 @@ def detect(environ: Mapping[str, str] | None = None) -> Launch:
         return _agreeing(_from_slurm(env), env)
     if "RANK" in env or "WORLD_SIZE" in env:
         return _from_torch_style(env, "env")
+    _not_a_forgotten_srun(env)
     return Launch("single", 0, 1, 0, 1, 0, "127.0.0.1", _int(env, "MASTER_PORT", 0) or free_port())
 
 
@@ -200,6 +202,43 @@ def _agreeing(launch: Launch, env: Mapping[str, str]) -> Launch:
                 f"{launch.launcher}, this process is {theirs}={value}; unset {generic} (or "
                 "start the script with one launcher only).")
     return launch
+
+
+def _one_torchrun_per_node(env: Mapping[str, str]) -> None:
+    """Refuse torchrun started several times on one node by one `srun` step.
+
+    `srun torchrun ...` starts one torchrun per task, and torchrun then starts
+    --nproc_per_node processes itself. An `srun` whose step has several tasks on a node
+    (no --ntasks-per-node=1, so srun used the job's tasks) starts several torchruns there:
+    several jobs training side by side, or agents fighting over one rendezvous.
+    """
+    if "SLURM_STEP_TASKS_PER_NODE" not in env or "SLURM_PROCID" not in env:
+        return
+    per_node = tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
+    node = _int(env, "SLURM_NODEID", 0)
+    here = per_node[node] if node < len(per_node) else per_node[-1]
+    if here > 1:
+        raise LaunchError(
+            f"torchrun was started {here} times on this node by one srun step "
+            f"(SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']}): srun starts one "
+            "torchrun per task, and each torchrun starts its own --nproc_per_node processes. "
+            "Give srun one task per node: srun --ntasks-per-node=1 torchrun ...")
+
+
+def _not_a_forgotten_srun(env: Mapping[str, str]) -> None:
+    """Refuse to train alone inside a Slurm job that asked for several tasks.
+
+    A batch script runs once, as one process (SLURM_PROCID=0, no step variables): a
+    `python train.py` line without `srun` in front trains on one process while the
+    other tasks of the job sit idle.
+    """
+    tasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
+    if "SLURM_JOB_ID" in env and tasks and tasks.isdigit() and int(tasks) > 1:
+        raise LaunchError(
+            f"this process runs in Slurm job {env['SLURM_JOB_ID']} of {tasks} tasks, but not "
+            "in an srun step, so it would train alone: a batch script runs once. Start the "
+            f"ranks with srun: `srun --ntasks={tasks} python -m ddplab.train ...` (or "
+            "`srun --ntasks=1 ...` to train on one process on purpose).")
 
 
 def _checked(launch: Launch, names: dict[str, str]) -> Launch:

@@ -37,6 +37,7 @@ from ddplab.data import (
     download_mnist,
     load_mnist,
     read_idx,
+    save_subset,
 )
 
 SAMPLE_COUNTS = {
@@ -532,3 +533,14 @@ def test_cli_download_default_root_is_data_in_the_current_directory(
     monkeypatch.chdir(tmp_path)
     assert main(["data", "download", "--no-progress", "--mirror", mirrors.url("good")]) == 0
     assert leftovers(tmp_path / "data") == sorted(NAMES)
+
+
+def test_a_subset_of_the_sample_reads_back_as_a_data_directory(tmp_path):
+    root = save_subset(tmp_path / "quick", train=5, test=3)
+    for split, count in (("train", 5), ("test", 3)):
+        images, labels = load_mnist(split, root)
+        sample_images, sample_labels = load_mnist(split)
+        assert torch.equal(images, sample_images[:count])
+        assert torch.equal(labels, sample_labels[:count])
+    with pytest.raises(ValueError, match="the sample has 8004 digits; ask for 1 to 8004, not 0"):
+        save_subset(tmp_path / "none", train=0, test=3)

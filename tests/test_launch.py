@@ -59,13 +59,27 @@ def test_an_srun_task():
 
 def test_a_batch_script_itself_is_not_an_srun_task():
     # sbatch's script runs once, as SLURM_PROCID=0, with no step: it is one process.
-    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "7"}
     assert detect(batch).launcher == "single"
 
 
+def test_a_batch_script_of_several_tasks_without_srun_says_to_use_srun():
+    # The forgotten srun: `python -m ddplab.train` straight in a script of --ntasks=4
+    # would train alone while three tasks sit idle.
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}
+    with pytest.raises(LaunchError, match=r"job 7 of 4 tasks.*srun --ntasks=4 python"):
+        detect(batch)
+
+
 def test_innermost_wins_torchrun_inside_an_srun_step():
-    found = detect({**SLURM, **TORCHRUN})
+    one_per_node = {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_LOCALID": "0"}
+    found = detect({**one_per_node, **TORCHRUN})
     assert found.launcher == "torchrun" and found.rank == 5
+
+
+def test_torchrun_started_twice_on_a_node_by_srun_says_one_task_per_node():
+    with pytest.raises(LaunchError, match=r"started 2 times on this node.*--ntasks-per-node=1"):
+        detect({**SLURM, **TORCHRUN})
 
 
 def test_the_pool_inside_a_slurm_job_is_the_pool():

@@ -8,7 +8,6 @@ missing `mpirun` fails instead of skipping.
 
 from __future__ import annotations
 
-import gzip
 import os
 import re
 import shutil
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ddplab import Pool, RankError
-from ddplab.data import load_mnist
+from ddplab.data import load_mnist, save_subset
 from ddplab.train import CHECKPOINT, Config, Net, inputs, train
 
 MPIRUN = shutil.which("mpirun")
@@ -32,22 +31,10 @@ def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def write_idx(path: Path, array: torch.Tensor) -> None:
-    """An IDX file as MNIST ships it: zero, zero, type 8 (uint8), dims, big-endian sizes."""
-    header = bytes([0, 0, 8, array.dim()]) + b"".join(n.to_bytes(4, "big") for n in array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.to(torch.uint8).contiguous().numpy().tobytes())
-
-
 @pytest.fixture(scope="module")
 def small_mnist(tmp_path_factory) -> Path:
     """The first 600 training and 200 test digits of the shipped sample, as a --data DIR."""
-    root = tmp_path_factory.mktemp("mnist")
-    for split, prefix, count in (("train", "train", 600), ("test", "t10k", 200)):
-        images, labels = load_mnist(split)
-        write_idx(root / f"{prefix}-images-idx3-ubyte.gz", images[:count])
-        write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", labels[:count])
-    return root
+    return save_subset(tmp_path_factory.mktemp("mnist"), train=600, test=200)
 
 
 @pytest.fixture(autouse=True)
@@ -249,11 +236,7 @@ def test_resume_without_a_checkpoint_is_refused_on_every_rank(tmp_path):
 
 
 def test_a_world_larger_than_the_data_is_refused(tmp_path):
-    images, labels = load_mnist("test")
-    write_idx(tmp_path / "train-images-idx3-ubyte.gz", images[:2])
-    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", labels[:2])
-    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images[:2])
-    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", labels[:2])
+    save_subset(tmp_path, train=2, test=2)
     with Pool(3) as pool, pytest.raises(RankError) as caught:
         pool.run(train, Config(data=str(tmp_path)), timeout=30)
     assert sorted(caught.value.failures) == [0, 1, 2]

@@ -1,0 +1,240 @@
+"""A one-node Slurm cluster in a private directory, to learn `srun` and `sbatch` for real.
+
+    with LocalSlurm() as cluster:                 # slurmctld + slurmd, idle in seconds
+        cluster.run(["srun", "--ntasks=2", "python", "-m", "ddplab.train"])
+        job = cluster.sbatch("train.sbatch")      # submitted, waited for, output read back
+
+Real clusters are many nodes, each running `slurmd`, and one controller (`slurmctld`);
+here both daemons run on this machine, as children of this process, with a `slurm.conf`
+written into a temporary directory: munge-free (`AuthType=auth/none`), on two free ports,
+one node named after this host (so `SLURM_JOB_NODELIST` names a host that resolves, as
+on a cluster). Everything the daemons write (state, spool, logs, pid files) stays in
+that directory.
+
+Nothing is left behind: `stop()` (also on leaving the `with`) cancels every job, waits
+for the steps to end, stops both daemons and removes the directory; and the daemons are
+told to end with the process that started them (Linux's parent-death signal), so a
+killed kernel does not leave a controller running.
+
+Debian and Ubuntu ship Slurm as `slurm-wlm`. The daemons run as the current user; they
+are checked here as root (containers, CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import getpass
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from ddplab.launch import free_port
+
+PROGRAMS = ("slurmctld", "slurmd", "srun", "sbatch", "squeue", "scancel", "sinfo",
+            "scontrol")
+START_TIMEOUT = 30.0  # seconds for the node to become idle
+STOP_TIMEOUT = 15.0  # seconds for jobs, then daemons, to end before they are killed
+PARTITION = "debug"
+
+
+class SlurmError(RuntimeError):
+    """The cluster did not start, or a command on it failed."""
+
+
+def missing() -> str | None:
+    """Why a local cluster cannot start here (what to install), or None when it can."""
+    absent = [name for name in PROGRAMS if shutil.which(name) is None
+              and not Path("/usr/sbin", name).exists()]
+    if not absent:
+        return None
+    return (f"Slurm is not installed here ({', '.join(absent)} not found). On Debian or "
+            "Ubuntu: sudo apt-get install slurm-wlm")
+
+
+def _program(name: str) -> str:
+    """slurmctld and slurmd live in /usr/sbin, which a normal user's PATH may lack."""
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: receive SIGTERM when the parent process ends (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _config(directory: Path, host: str, ports: tuple[int, int], cpus: int) -> str:
+    user = getpass.getuser()
+    return "\n".join([
+        "ClusterName=ddplab",
+        f"SlurmctldHost={host}(127.0.0.1)",
+        "AuthType=auth/none",  # no munge: one machine, one user
+        "CredType=cred/none",
+        f"SlurmUser={user}",
+        f"SlurmdUser={user}",
+        f"SlurmctldPort={ports[0]}",
+        f"SlurmdPort={ports[1]}",
+        f"StateSaveLocation={directory / 'state'}",
+        f"SlurmdSpoolDir={directory / 'spool'}",
+        f"SlurmctldPidFile={directory / 'slurmctld.pid'}",
+        f"SlurmdPidFile={directory / 'slurmd.pid'}",
+        f"SlurmctldLogFile={directory / 'slurmctld.log'}",
+        f"SlurmdLogFile={directory / 'slurmd.log'}",
+        "ProctrackType=proctrack/linuxproc",  # no cgroups needed
+        "TaskPlugin=task/none",
+        "MpiDefault=none",
+        "ReturnToService=2",
+        "SchedulerType=sched/builtin",
+        "SelectType=select/cons_tres",
+        "KillOnBadExit=1",  # one task failing ends the step, as torchrun would
+        # A laptop has few cores; the node offers at least 4 CPUs so that 4-task examples
+        # run, and slurmd takes the configured count rather than refuse the node.
+        "SlurmdParameters=config_overrides",
+        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
+        f"PartitionName={PARTITION} Nodes={host} Default=YES MaxTime=INFINITE State=UP "
+        "OverSubscribe=YES",
+        "",
+    ])
+
+
+class LocalSlurm:
+    """slurmctld and slurmd for one node, started now, idle and ready for srun and sbatch."""
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        reason = missing()
+        if reason:
+            raise SlurmError(reason)
+        self._own_dir = directory is None
+        self.directory = Path(tempfile.mkdtemp(prefix="ddplab-slurm-") if directory is None
+                              else directory)
+        self.host = socket.gethostname().split(".")[0]
+        self.cpus = max(os.cpu_count() or 1, 4)
+        for sub in ("state", "spool"):
+            (self.directory / sub).mkdir(parents=True, exist_ok=True)
+        self.conf = self.directory / "slurm.conf"
+        self.conf.write_text(_config(self.directory, self.host, (free_port(), free_port()),
+                                     self.cpus))
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self._daemons: list[subprocess.Popen] = []
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        for argv in ([_program("slurmctld"), "-D", "-c", "-i"],
+                     [_program("slurmd"), "-D", "-N", self.host]):
+            self._daemons.append(subprocess.Popen(
+                argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            for daemon in self._daemons:
+                if daemon.poll() is not None:
+                    raise SlurmError(f"{Path(daemon.args[0]).name} exited with status "
+                                     f"{daemon.returncode} while starting:\n{self._log_tail()}")
+            state = self.run(["sinfo", "-h", "-o", "%T"], check=False).stdout.strip()
+            if state == "idle":
+                return
+            time.sleep(0.2)
+        raise SlurmError(f"the node did not become idle within {START_TIMEOUT:.0f} s:\n"
+                         f"{self._log_tail()}")
+
+    def stop(self) -> None:
+        """Cancel every job, wait for its steps to end, stop both daemons, remove the files."""
+        if any(d.poll() is None for d in self._daemons):
+            self.cancel_all()
+        for daemon in reversed(self._daemons):  # slurmd first, then the controller
+            if daemon.poll() is None:
+                daemon.terminate()
+            try:
+                daemon.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        self._daemons.clear()
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def cancel_all(self) -> None:
+        """Cancel every job on the cluster and wait until none is left (or STOP_TIMEOUT)."""
+        self.run(["scancel", "--full", "--partition", PARTITION], check=False)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while time.monotonic() < deadline:
+            if not self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip():
+                return
+            time.sleep(0.2)
+
+    def __enter__(self) -> LocalSlurm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- using it -------------------------------------------------------------------------
+
+    def run(self, argv: list[str], *, check: bool = True, timeout: float = 300,
+            **kwargs) -> subprocess.CompletedProcess:
+        """Run a command (srun, sbatch, squeue, ...) against this cluster; text output.
+
+        With `check`, a failing command raises `SlurmError` holding its output.
+        """
+        kwargs.setdefault("env", self.env)
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                stdin=subprocess.DEVNULL, **kwargs)
+        if check and result.returncode != 0:
+            raise SlurmError(f"{' '.join(argv)} exited with status {result.returncode}:\n"
+                             f"{result.stdout}{result.stderr}")
+        return result
+
+    def sbatch(self, script: str | os.PathLike, *options: str, cwd: str | os.PathLike | None
+               = None, timeout: float = 300) -> str:
+        """Submit a batch script, wait until the job ends, and return what it printed.
+
+        The job's output goes to a file in the cluster's directory (Slurm writes it from
+        the compute node: on a real cluster, a shared filesystem) and is read back here.
+        A job that fails raises `SlurmError` with that output. (`sbatch --wait` would do
+        the waiting, but it polls every few seconds; `scontrol` answers at once.)
+        """
+        out = self.directory / f"sbatch-{time.monotonic_ns()}.out"
+        job = self.run(["sbatch", "--parsable", f"--output={out}", *options, str(script)],
+                       cwd=cwd).stdout.strip().split(";")[0]
+        deadline = time.monotonic() + timeout
+        try:
+            while (state := self._job_state(job))[0] in ("PENDING", "CONFIGURING", "RUNNING",
+                                                          "COMPLETING"):
+                if time.monotonic() > deadline:
+                    raise SlurmError(f"batch job {job} of {script} did not end within "
+                                     f"{timeout:.0f} s; it was cancelled")
+                time.sleep(0.1)
+        finally:
+            self.run(["scancel", job], check=False)  # a no-op once it ended
+        text = out.read_text() if out.exists() else ""
+        out.unlink(missing_ok=True)
+        if state != ("COMPLETED", "0:0"):
+            raise SlurmError(f"batch job {job} of {script} ended {state[0]} with exit code "
+                             f"{state[1]}:\n{text}")
+        return text
+
+    def _job_state(self, job: str) -> tuple[str, str]:
+        """("COMPLETED", "0:0"): the job's state and exit code, from `scontrol show job`."""
+        fields = dict(item.split("=", 1) for item in self.run(
+            ["scontrol", "--oneliner", "show", "job", job]).stdout.split() if "=" in item)
+        return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
+
+    def _log_tail(self, lines: int = 15) -> str:
+        tails = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.directory / name
+            if path.exists():
+                tails.append(f"--- {name}\n" + "\n".join(path.read_text().splitlines()[-lines:]))
+        return "\n".join(tails) or "(no log written)"
