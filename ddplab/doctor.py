@@ -51,6 +51,7 @@ class Environment:
     cuda_version: str | None  # the CUDA torch was built with; None for a CPU-only build
     gpus: list[str]
     nccl_version: str | None
+    plugins: dict[str, str | None]  # out-of-tree backend -> its package's version, or None
 
     def lines(self) -> list[tuple[str, str]]:
         built = [name for name, ok in self.backends.items() if ok]
@@ -72,6 +73,10 @@ class Environment:
             ("CUDA available", "yes" if self.cuda_available else "no"),
             ("GPUs", gpus),
             ("NCCL", self.nccl_version or "none"),
+            ("plug-ins", ", ".join(
+                f"{name} ({_PLUGINS[name][0]} {version})" if version
+                else f"{name}: needs {_PLUGINS[name][0]} ({_PLUGINS[name][1]}), not installed"
+                for name, version in self.plugins.items())),
         ]
 
     def __str__(self) -> str:
@@ -88,6 +93,24 @@ def _built_backends() -> dict[str, bool]:
               "mpi": "is_mpi_available", "ucc": "is_ucc_available", "xccl": "is_xccl_available"}
     return {name: bool(getattr(dist, check, lambda: False)())
             for name, check in checks.items() if hasattr(dist, check)}
+
+
+_PLUGINS = {"hccl": ("torch_npu", "Huawei Ascend NPUs")}
+"""Backends that are not in torch at all: a package registers them when it is imported."""
+
+
+def _plugin_backends() -> dict[str, str | None]:
+    """Each plug-in backend's package version when installed, else None (not imported:
+    importing torch_npu would initialise its device runtime)."""
+    from importlib import metadata
+
+    found = {}
+    for name, (package, _) in _PLUGINS.items():
+        try:
+            found[name] = metadata.version(package.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def _nccl_version() -> str | None:
@@ -129,6 +152,7 @@ def environment() -> Environment:
         cuda_version=torch.version.cuda,
         gpus=_gpu_names(),
         nccl_version=_nccl_version(),
+        plugins=_plugin_backends(),
     )
 
 

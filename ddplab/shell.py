@@ -1,0 +1,148 @@
+"""Run launcher commands from a notebook as a terminal would, and show what they printed.
+
+    sh = Shell(cwd="launchers")              # a private $RUNS, this venv's python first
+    sh("torchrun --standalone --nproc_per_node=2 -m ddplab.train --out $RUNS/standalone")
+    sh.together({"node 0": "...", "node 1": "..."})   # two commands at once, e.g. two nodes
+
+The launchers chapter runs real `torchrun`, `srun` and `mpirun` commands. Each goes
+through bash, exactly as written, in its own process group, so that Ctrl-C in the
+notebook, a timeout or a failing cell stops the launcher *and* everything it started
+(killing only the launcher would orphan its workers). `$RUNS` is a private temporary
+directory for checkpoints and logs (removed by `close()`); torchrun's own log folders go
+there too, through TMPDIR.
+
+What is shown is the command, then its stdout, then its stderr (kept apart, not
+interleaved: the order in which two processes' lines reach a terminal varies from run to
+run, and committed outputs must not). Paths of this machine are shown by what they are
+(`$RUNS`, `site-packages`), so outputs read the same everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+TIMEOUT = 300.0  # seconds a command may run before it and its children are stopped
+GRACE = 10.0  # seconds between SIGTERM (a launcher stops its workers) and SIGKILL
+
+
+@dataclass
+class Done:
+    """A finished command: what it was, its exit status and what it printed."""
+
+    command: str
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class CommandFailed(RuntimeError):
+    """A command meant to succeed exited with a non-zero status (its output was shown)."""
+
+
+class Shell:
+    """Commands run through bash in `cwd`, with $RUNS and this Python's tools on PATH."""
+
+    def __init__(self, cwd: str | os.PathLike = ".", env: Mapping[str, str] | None = None
+                 ) -> None:
+        self.cwd = Path(cwd).resolve()
+        self.runs = Path(tempfile.mkdtemp(prefix="ddplab-runs-"))
+        bindir = str(Path(sys.executable).parent)  # python, torchrun: this environment's
+        self.env = {**os.environ, **(env or {}), "RUNS": str(self.runs),
+                    "TMPDIR": str(self.runs), "PYTHONUNBUFFERED": "1",
+                    "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+        self._shown = {str(self.runs): "$RUNS",
+                       sysconfig.get_paths()["purelib"]: "site-packages",
+                       str(Path(sys.executable).parent.parent): "$VENV",
+                       str(self.cwd): "."}
+
+    def __call__(self, command: str, *, check: bool = True, timeout: float = TIMEOUT,
+                 show: bool = True) -> Done:
+        """Run `command`, print it and its output, and return a `Done`.
+
+        With `check`, a non-zero exit raises `CommandFailed` after the output was shown.
+        """
+        done = self._wait(command, self._start(command), timeout)
+        if show:
+            self.show(done)
+        if check and done.returncode != 0:
+            raise CommandFailed(f"the command exited with status {done.returncode}: {command}")
+        return done
+
+    def together(self, commands: Mapping[str, str], *, check: bool = True,
+                 timeout: float = TIMEOUT) -> dict[str, Done]:
+        """Start every command at once (two "nodes"), wait for all, show each in turn."""
+        started = {name: (command, self._start(command)) for name, command in commands.items()}
+        done = {name: self._wait(command, process, timeout)
+                for name, (command, process) in started.items()}
+        for name, result in done.items():
+            print(f"--- {name}")
+            self.show(result)
+        failed = [name for name, result in done.items() if result.returncode != 0]
+        if check and failed:
+            raise CommandFailed(f"{', '.join(failed)} exited with a non-zero status")
+        return done
+
+    def show(self, done: Done) -> None:
+        print(f"$ {done.command}")
+        for text in (done.stdout, done.stderr):
+            if text:
+                print(self.tidy(text), end="" if text.endswith("\n") else "\n")
+        if done.returncode != 0:
+            print(f"[exit status {done.returncode}]")
+
+    def tidy(self, text: str) -> str:
+        """`text` with this machine's paths replaced by what they are ($RUNS, site-packages)."""
+        for path, name in sorted(self._shown.items(), key=lambda item: -len(item[0])):
+            text = text.replace(path, name)
+        return text
+
+    def close(self) -> None:
+        """Remove $RUNS (checkpoints, torchrun's logs)."""
+        shutil.rmtree(self.runs, ignore_errors=True)
+
+    def __enter__(self) -> Shell:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- processes ----------------------------------------------------------------------
+
+    def _start(self, command: str) -> subprocess.Popen:
+        return subprocess.Popen(["bash", "-c", command], cwd=self.cwd, env=self.env, text=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+
+    def _wait(self, command: str, process: subprocess.Popen, timeout: float) -> Done:
+        """Wait for `process`; on a timeout or Ctrl-C stop its whole group, then re-raise."""
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except BaseException:
+            _stop_group(process)
+            raise
+        return Done(command, process.returncode, out, err)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group (launchers pass it on to their workers), a
+    grace period, then SIGKILL to whatever of the group is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        if sig == signal.SIGTERM:
+            try:
+                process.communicate(timeout=GRACE)
+            except subprocess.TimeoutExpired:
+                pass
+    process.communicate()

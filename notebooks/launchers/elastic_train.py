@@ -1,0 +1,45 @@
+"""Training that survives a restart: resume from the last checkpoint when there is one.
+
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 elastic_train.py \\
+        --epochs 2 --out runs/elastic
+
+With --max-restarts=N, torchrun answers a failing rank by stopping every rank and
+starting them all again, up to N times (the default, 0, ends the job at the first
+failure). The new processes start from nothing: only what the job wrote to disk
+survives. So this script resumes from OUT/checkpoint.pt when it exists, and a restart
+costs at most one epoch, not the whole run. TORCHELASTIC_RESTART_COUNT says which attempt
+this is (0 the first).
+
+To see it happen, set FAIL_ONCE=1: rank 1 then fails a few steps into epoch 2 of the
+first attempt (after epoch 1's checkpoint was written), and the second attempt finishes.
+"""
+
+import os
+from pathlib import Path
+
+from ddplab.train import CHECKPOINT, parse_args, train
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+RANK = int(os.environ.get("RANK", 0))
+
+
+def fail_once(record: dict) -> None:
+    """An on_log hook: the first attempt's rank 1 fails at its first record of epoch 2."""
+    if (os.environ.get("FAIL_ONCE") and ATTEMPT == 0 and RANK == 1
+            and record["kind"] == "step" and record["epoch"] == 2):
+        raise RuntimeError(f"rank {RANK} fails at step {record['step']} (attempt {ATTEMPT})")
+
+
+if __name__ == "__main__":
+    cfg = parse_args()
+    cfg.resume = cfg.out is not None and (Path(cfg.out) / CHECKPOINT).is_file()
+    if RANK == 0:
+        print(f"attempt {ATTEMPT + 1}: " + ("resuming from the checkpoint" if cfg.resume
+                                            else "no checkpoint yet, starting afresh"),
+              flush=True)
+    result = train(cfg, on_log=fail_once)
+    if RANK == 0:
+        last = result["history"][-1]
+        print(f"done after {ATTEMPT} restart{'s' if ATTEMPT != 1 else ''}: epochs "
+              f"{[e['epoch'] for e in result['history']]}, test accuracy "
+              f"{last['test_accuracy']:.2%}", flush=True)

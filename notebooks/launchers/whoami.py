@@ -1,0 +1,29 @@
+"""Print what the launcher told this process, one JSON line per process.
+
+    torchrun --standalone --nproc_per_node=2 whoami.py
+    srun --ntasks=2 python whoami.py
+    mpirun -np 2 python whoami.py
+
+Run it before a long job on a new cluster: each process prints the launcher variables
+it was given and what ddplab.launch.detect() makes of them (launcher, rank, world size,
+local rank, node rank, master address and port). Nothing is imported but ddplab.launch,
+so it answers in a moment.
+"""
+
+import json
+import os
+from dataclasses import asdict
+
+from ddplab.launch import LaunchError, detect
+
+PREFIXES = ("RANK", "LOCAL_", "WORLD_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_",
+            "OMPI_COMM_WORLD_", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
+            "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST",
+            "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "PMIX_RANK")
+
+variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(PREFIXES)}
+try:
+    found = asdict(detect())
+except LaunchError as error:
+    found = {"error": str(error)}
+print(json.dumps({"pid": os.getpid(), "variables": variables, "detect": found}), flush=True)
