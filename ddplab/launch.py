@@ -384,6 +384,25 @@ def device(launch: Launch, backend: str) -> torch.device:
 
 # --- joining the group -----------------------------------------------------------------------
 
+def _torchrun_store(launch: Launch, timeout: timedelta):
+    """The rendezvous store of a torchrun job, its keys kept apart per restart.
+
+    torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE) and keeps it when it
+    restarts the ranks (--max-restarts). The keys the last attempt's ranks wrote are still
+    there, gloo's addresses among them, and a restarted rank may read a dead peer's address
+    and fail to connect (seen with torch 2.13, whether env:// or tcp://). A prefix per
+    attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt a clean slate.
+    """
+    import torch.distributed as dist
+
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                          is_master=launch.rank == 0 and not agent_hosts_it, timeout=timeout,
+                          multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ddplab/attempt_{attempt}", store)
+
+
 def init_process_group(launch: Launch, backend: str = "gloo",
                        timeout: timedelta = TIMEOUT) -> torch.device:
     """Join the process group `launch` describes (unless one exists) and return the device.
@@ -402,8 +421,12 @@ def init_process_group(launch: Launch, backend: str = "gloo",
         return dev
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     try:
-        dist.init_process_group(backend, init_method=launch.init_url, rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout, **kwargs)
+        if launch.launcher == "torchrun":
+            kwargs["store"] = _torchrun_store(launch, timeout)
+        else:
+            kwargs["init_method"] = launch.init_url
+        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, **kwargs)
     except (RuntimeError, ValueError) as exc:  # DistNetworkError/DistStoreError included
         if "address already in use" in str(exc).lower():
             raise LaunchError(

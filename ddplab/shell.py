@@ -19,6 +19,7 @@ run, and committed outputs must not). Paths of this machine are shown by what th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -71,19 +72,27 @@ class Shell:
         With `check`, a non-zero exit raises `CommandFailed` after the output was shown.
         """
         done = self._wait(command, self._start(command), timeout)
-        if show:
+        failed = check and done.returncode != 0
+        if show or failed:  # a failure meant to succeed is always shown
             self.show(done)
-        if check and done.returncode != 0:
+        if failed:
             raise CommandFailed(f"the command exited with status {done.returncode}: {command}")
         return done
 
     def together(self, commands: Mapping[str, str], *, check: bool = True,
-                 timeout: float = TIMEOUT) -> dict[str, Done]:
+                 timeout: float = TIMEOUT, show: bool = True) -> dict[str, Done]:
         """Start every command at once (two "nodes"), wait for all, show each in turn."""
-        started = {name: (command, self._start(command)) for name, command in commands.items()}
-        done = {name: self._wait(command, process, timeout)
-                for name, (command, process) in started.items()}
-        for name, result in done.items():
+        started = {}
+        try:
+            for name, command in commands.items():
+                started[name] = (command, self._start(command))
+            done = {name: self._wait(command, process, timeout)
+                    for name, (command, process) in started.items()}
+        except BaseException:
+            for _, process in started.values():
+                _stop_group(process)
+            raise
+        for name, result in done.items() if show else ():
             print(f"--- {name}")
             self.show(result)
         failed = [name for name, result in done.items() if result.returncode != 0]
@@ -141,8 +150,6 @@ def _stop_group(process: subprocess.Popen) -> None:
         except ProcessLookupError:
             break
         if sig == signal.SIGTERM:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.communicate(timeout=GRACE)
-            except subprocess.TimeoutExpired:
-                pass
     process.communicate()

@@ -7,9 +7,9 @@
 Real clusters are many nodes, each running `slurmd`, and one controller (`slurmctld`);
 here both daemons run on this machine, as children of this process, with a `slurm.conf`
 written into a temporary directory: munge-free (`AuthType=auth/none`), on two free ports,
-one node named after this host (so `SLURM_JOB_NODELIST` names a host that resolves, as
-on a cluster). Everything the daemons write (state, spool, logs, pid files) stays in
-that directory.
+with one node called `localhost` (so `SLURM_JOB_NODELIST` names a host that resolves, as
+node names do on a cluster, and reads the same on every machine). Everything the
+daemons write (state, spool, logs, pid files) stays in that directory.
 
 Nothing is left behind: `stop()` (also on leaving the `with`) cancels every job, waits
 for the steps to end, stops both daemons and removes the directory; and the daemons are
@@ -28,10 +28,10 @@ import getpass
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ddplab.launch import free_port
@@ -113,7 +113,7 @@ class LocalSlurm:
         self._own_dir = directory is None
         self.directory = Path(tempfile.mkdtemp(prefix="ddplab-slurm-") if directory is None
                               else directory)
-        self.host = socket.gethostname().split(".")[0]
+        self.host = "localhost"  # the node's name, and the controller's
         self.cpus = max(os.cpu_count() or 1, 4)
         for sub in ("state", "spool"):
             (self.directory / sub).mkdir(parents=True, exist_ok=True)
@@ -196,9 +196,13 @@ class LocalSlurm:
                              f"{result.stdout}{result.stderr}")
         return result
 
-    def sbatch(self, script: str | os.PathLike, *options: str, cwd: str | os.PathLike | None
-               = None, timeout: float = 300) -> str:
-        """Submit a batch script, wait until the job ends, and return what it printed.
+    def sbatch(self, script: str | os.PathLike, *options: str, args: Sequence[str] = (),
+               cwd: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+               timeout: float = 300) -> str:
+        """Submit a batch script (with `args`), wait until the job ends, return what it printed.
+
+        The job runs with `env` (default: this process's environment), as sbatch passes
+        the submitter's environment on.
 
         The job's output goes to a file in the cluster's directory (Slurm writes it from
         the compute node: on a real cluster, a shared filesystem) and is read back here.
@@ -206,8 +210,9 @@ class LocalSlurm:
         the waiting, but it polls every few seconds; `scontrol` answers at once.)
         """
         out = self.directory / f"sbatch-{time.monotonic_ns()}.out"
-        job = self.run(["sbatch", "--parsable", f"--output={out}", *options, str(script)],
-                       cwd=cwd).stdout.strip().split(";")[0]
+        env = {**self.env, **env, "SLURM_CONF": str(self.conf)} if env else self.env
+        job = self.run(["sbatch", "--parsable", f"--output={out}", *options, str(script),
+                        *args], cwd=cwd, env=env).stdout.strip().split(";")[0]
         deadline = time.monotonic() + timeout
         try:
             while (state := self._job_state(job))[0] in ("PENDING", "CONFIGURING", "RUNNING",

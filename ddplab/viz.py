@@ -437,29 +437,42 @@ def _depth(src: int, dst: int) -> float:
 
 
 def show_cluster(nodes: int, devices_per_node: int, *, title: str | None = None,
-                 device: str = "GPU") -> Figure:
+                 device: str = "GPU", names: Sequence[str] | None = None,
+                 master: str | None = None) -> Figure:
     """Machines (nodes) as boxes holding their devices, each labelled with its ranks.
 
     Global rank = node * devices_per_node + local rank: the layout every launcher uses.
+    `names` labels the nodes with their host names; `master` ("addr:port") marks node
+    rank 0 as the one that hosts the rendezvous, with a heavier frame and its address.
     """
     if nodes < 1 or devices_per_node < 1:
         raise ValueError("need at least one node and one device per node")
+    if names is not None and len(names) != nodes:
+        raise ValueError(f"names: {len(names)} names for {nodes} nodes")
     box_w, box_h, pad = 0.92, 0.9, 0.12
     node_w = devices_per_node * (box_w + pad) + pad
     node_h = box_h + 2 * pad + 0.3
     per_row = max(1, int((MAX_WIDTH - 0.6) // (node_w + GAP)))
     rows = -(-nodes // per_row)
     width = max(min(nodes, per_row) * (node_w + GAP) - GAP + 0.6, _title_width(title))
-    height = rows * (node_h + 0.25) + (0.5 if title else 0.15) + 0.1
+    below = 0.55 if master else 0.25  # room under each row for the master's address
+    height = rows * (node_h + below) + (0.5 if title else 0.15) + 0.1
     canvas = _Canvas(width, height, CELL, title)
     fig, ax = canvas.fig, canvas.ax
     top = height - (0.5 if title else 0.15)
     for node in range(nodes):
         nx = 0.3 + (node % per_row) * (node_w + GAP)
-        ny = top - (node // per_row + 1) * (node_h + 0.25) + 0.25
-        ax.add_patch(Rectangle((nx, ny), node_w, node_h, fc="#F7F7F7", ec="#555555", lw=1.2))
-        ax.text(nx + 0.1, ny + node_h - 0.06, f"node {node}", ha="left", va="top",
-                fontsize=FONT, fontweight="bold", color="#333333")
+        ny = top - (node // per_row + 1) * (node_h + below) + below
+        is_master = master is not None and node == 0
+        ax.add_patch(Rectangle((nx, ny), node_w, node_h, fc="#F7F7F7",
+                               ec="#222222" if is_master else "#555555",
+                               lw=2.6 if is_master else 1.2))
+        label = f"{names[node]} · node_rank {node}" if names else f"node {node}"
+        ax.text(nx + 0.1, ny + node_h - 0.06, label + (" · master" if is_master else ""),
+                ha="left", va="top", fontsize=FONT, fontweight="bold", color="#333333")
+        if is_master:
+            ax.text(nx + node_w / 2, ny - 0.08, f"MASTER_ADDR:MASTER_PORT = {master}",
+                    ha="center", va="top", fontsize=FONT - 1, color="#222222")
         for local in range(devices_per_node):
             rank = node * devices_per_node + local
             bx = nx + pad + local * (box_w + pad)

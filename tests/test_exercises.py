@@ -70,3 +70,21 @@ def test_a_hanging_attempt_is_a_verdict_within_the_deadline():
     assert feedback.message.startswith("your function did not finish within 5 s: rank 0 was "
                                        "still waiting in all_reduce()")
     assert "same collective calls" in feedback.hint
+
+
+def test_the_launches_of_exercise_6_1_are_what_detect_reads():
+    from ddplab.exercises.ch06 import LAUNCHES
+    from ddplab.launch import detect
+
+    for what, env, (rank, local_rank, world_size) in LAUNCHES:
+        found = detect(env)
+        assert (found.rank, found.local_rank, found.world_size) == (rank, local_rank,
+                                                                     world_size), what
+
+
+def test_the_node_lists_of_exercise_6_3_are_what_first_host_reads():
+    from ddplab.exercises.ch06 import NODELISTS
+    from ddplab.launch import first_host
+
+    for nodelist, want in NODELISTS:
+        assert first_host(nodelist) == want, nodelist

@@ -11,6 +11,7 @@ when the failing process wrote it to the error file torchrun gives it: that is w
 
 import os
 import sys
+import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -24,6 +25,7 @@ def check_learning_rate(rank: int) -> None:
 
 def main() -> None:
     check_learning_rate(int(os.environ["RANK"]))
+    time.sleep(60)  # the other ranks carry on working, until torchrun stops them
 
 
 if __name__ == "__main__":

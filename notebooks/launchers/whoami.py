@@ -5,13 +5,15 @@
     mpirun -np 2 python whoami.py
 
 Run it before a long job on a new cluster: each process prints the launcher variables
-it was given and what ddplab.launch.detect() makes of them (launcher, rank, world size,
+it was given (and its arguments: the deprecated torch.distributed.launch passes
+--local-rank=N there) and what ddplab.launch.detect() makes of them (launcher, rank, world size,
 local rank, node rank, master address and port). Nothing is imported but ddplab.launch,
 so it answers in a moment.
 """
 
 import json
 import os
+import sys
 from dataclasses import asdict
 
 from ddplab.launch import LaunchError, detect
@@ -26,4 +28,8 @@ try:
     found = asdict(detect())
 except LaunchError as error:
     found = {"error": str(error)}
-print(json.dumps({"pid": os.getpid(), "variables": variables, "detect": found}), flush=True)
+# One write per line: the processes share one output, and two writes (the text, then its
+# newline) from two processes could interleave.
+sys.stdout.write(json.dumps({"argv": sys.argv[1:], "variables": variables,
+                             "detect": found}) + "\n")
+sys.stdout.flush()

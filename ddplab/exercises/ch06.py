@@ -1,0 +1,161 @@
+"""Chapter 6 exercises: launchers (reading any launcher's variables; a node's torchrun command).
+
+No ranks are needed: 6.1 is checked against environments recorded from real launchers
+(torchrun, `srun`, `mpirun`, and launchers nested inside one another, where the
+innermost must win), 6.2 by parsing the learner's command with torchrun's own argument
+parser (`torch.distributed.run.get_args_parser`), so a command that torchrun would read
+differently, or refuse, fails here too.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from ddplab.exercises import NotYet, exercise, expect
+
+# --- 6.1 rank, local rank and world size from whichever launcher ran ---
+
+_TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
+             "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "node02",
+             "MASTER_PORT": "29500"}
+_SRUN = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+         "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+_MPIRUN = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+           "MASTER_ADDR": "node02", "MASTER_PORT": "29500"}
+
+# (what launched it, its environment, (rank, local_rank, world_size))
+LAUNCHES = [
+    ("torchrun, node 1 of 2", _TORCHRUN, (5, 1, 8)),
+    ("srun --ntasks=8 over 2 nodes", _SRUN, (6, 2, 8)),
+    ("mpirun -np 4 over 2 nodes", _MPIRUN, (3, 1, 4)),
+    ("a plain `python train.py`", {"HOME": "/home/ada"}, (0, 0, 1)),
+    ("torchrun inside an srun step (one task per node)",
+     {**_SRUN, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2",
+      "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **_TORCHRUN}, (5, 1, 8)),
+    ("torchrun started by mpirun (one per node)",
+     {**_MPIRUN, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0", **_TORCHRUN, "RANK": "6", "LOCAL_RANK": "2"},
+     (6, 2, 8)),
+    ("a JupyterLab kernel inside a Slurm batch job of 1 task",
+     {"SLURM_JOB_ID": "99", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (0, 0, 1)),
+]
+
+
+@exercise("6.1", "Rank, local rank and world size, from any launcher", solution="launch_vars",
+          hint="look for the innermost launcher first: torchrun's TORCHELASTIC_RUN_ID (then "
+               "RANK, LOCAL_RANK, WORLD_SIZE), then OpenMPI's OMPI_COMM_WORLD_RANK (_LOCAL_RANK, "
+               "_SIZE), then an srun step's SLURM_STEP_NUM_TASKS (with SLURM_PROCID and "
+               "SLURM_LOCALID); with none of them, one process alone. A batch job's own "
+               "SLURM_PROCID is not a step: it has no SLURM_STEP_NUM_TASKS.")
+def check_launch_vars(launch_vars) -> str:
+    for what, env, want in LAUNCHES:
+        try:
+            got = launch_vars(dict(env))
+        except Exception as err:  # a KeyError is the usual one: a variable that is not set
+            raise NotYet(f"for {what}, your function raised {type(err).__name__}: {err}.",
+                         "not every launcher sets every variable: use env.get(name) or `name in "
+                         "env` to see which launcher's variables are there.") from None
+        expect(isinstance(got, tuple) and len(got) == 3,
+               f"for {what}, your function returned {got!r}; it should return a tuple "
+               "(rank, local_rank, world_size).",
+               "" if got is None else "return three whole numbers: return rank, local_rank, "
+                                      "world_size")
+        expect(all(isinstance(n, int) and not isinstance(n, bool) for n in got),
+               f"for {what}, your function returned {got!r}: the environment holds strings; "
+               "convert them with int().")
+        if got != want:
+            names = ", ".join(f"{k}={v}" for k, v in env.items() if k != "HOME")
+            raise NotYet(f"for {what} ({names or 'no launcher variables'}) your function "
+                         f"returned {got}, but this process is rank {want[0]}, local rank "
+                         f"{want[1]}, of {want[2]}.")
+    return (f"all {len(LAUNCHES)} launches read right, nested ones included: the innermost "
+            "launcher started this very process, so its variables are the ones that count.")
+
+
+# --- 6.2 one node's torchrun command in the classic 3 × 4 example ---
+
+NODES = ("node02", "node03", "node04")
+MASTER = ("192.168.0.101", 29500)
+
+
+def _parse(command: str):
+    """The command as torchrun reads it (its own parser), or NotYet saying why not."""
+    from torch.distributed.run import get_args_parser
+
+    words = shlex.split(command)
+    if not words or words[0] not in ("torchrun", "python"):
+        raise NotYet(f"{command!r} does not start with torchrun.",
+                     "start with `torchrun`, then its options, then `-m ddplab.train`.")
+    if words[0] == "python":
+        words = words[3:] if words[1:3] == ["-m", "torch.distributed.run"] else words
+    try:
+        return get_args_parser().parse_args(words[1:])
+    except SystemExit:
+        raise NotYet(f"torchrun cannot read {command!r} (its argument parser refused it).",
+                     "options are spelled --nnodes=3 --node_rank=... --nproc_per_node=4 "
+                     "--master_addr=... --master_port=..., before -m ddplab.train.") from None
+
+
+@exercise("6.2", "The command for each node", solution="node_command",
+          hint="every node runs the same torchrun with the same --nnodes, --nproc_per_node, "
+               "--master_addr and --master_port (the master's: node02's address); only "
+               "--node_rank differs, 0 on the master. Then -m ddplab.train.")
+def check_node_command(node_command) -> str:
+    seen = []
+    for node_rank, node in enumerate(NODES):
+        command = node_command(node)
+        expect(isinstance(command, str),
+               f"node_command({node!r}) returned {command!r}; it should return the command "
+               "as a string.", "" if command is None else "return the command line as one "
+                                                          "string.")
+        args = _parse(command)
+        call = f"node_command({node!r})"
+        expect(not args.standalone, f"{call} uses --standalone, which makes every node a job "
+               "of its own.", "drop --standalone: the nodes must meet at the master.")
+        expect(str(args.nnodes) == "3", f"{call} asks for --nnodes={args.nnodes}; the job has "
+               "3 nodes.")
+        expect(str(args.nproc_per_node) == "4", f"{call} starts --nproc_per_node="
+               f"{args.nproc_per_node}; each node has 4 GPUs, one process each.")
+        expect(args.rdzv_backend == "static", f"{call} uses the {args.rdzv_backend} "
+               "rendezvous; this exercise is the classic static one (node ranks given).")
+        expect((args.master_addr, args.master_port) == MASTER,
+               f"{call} meets at {args.master_addr}:{args.master_port}; the master, node02, "
+               f"listens at {MASTER[0]}:{MASTER[1]}.")
+        expect(args.node_rank == node_rank,
+               f"{call} has --node_rank={args.node_rank}, but {node} is node rank {node_rank}"
+               " (node02, the master, is 0).")
+        expect(args.module and args.training_script == "ddplab.train",
+               f"{call} runs {args.training_script!r}"
+               f"{' as a module' if args.module else ''}; it should run -m ddplab.train.")
+        first = node_rank * 4
+        seen.append(f"{node}: ranks {first}-{first + 3}")
+    return ("torchrun reads all three commands as one job of 12 processes: "
+            + "; ".join(seen) + ".")
+
+
+# --- 6.3 the master's host name from a Slurm node list ---
+
+NODELISTS = [
+    ("gpu07", "gpu07"),
+    ("gpu07,gpu09", "gpu07"),
+    ("gpu[07-09]", "gpu07"),
+    ("node[002-004,010]", "node002"),
+    ("a100-[3,5-6],login2", "a100-3"),
+    ("gpu[12-13],cpu[1-4]", "gpu12"),
+]
+
+
+@exercise("6.3", "The master, from Slurm's node list", solution="master_addr",
+          hint="Slurm compresses consecutive names: gpu[07-09,12] means gpu07, gpu08, gpu09 "
+               "and gpu12. Take the part before the first comma that is not inside [...]; "
+               "if it has brackets, keep what is before them and the first number inside, "
+               "as written (leading zeros included).")
+def check_master_addr(master_addr) -> str:
+    for nodelist, want in NODELISTS:
+        got = master_addr(nodelist)
+        expect(got == want,
+               f"master_addr({nodelist!r}) returned {got!r}; the first host of that list, "
+               f"what `scontrol show hostnames {nodelist} | head -n 1` prints, is {want!r}.")
+    return (f"all {len(NODELISTS)} node lists read right: the first host of the job is where "
+            "node rank 0's torchrun listens, so MASTER_ADDR is the same on every node.")

@@ -1,0 +1,43 @@
+"""Instructor solutions for chapter 6 (launchers).
+
+One function per exercise, named as the exercise's `solution`; `tests/test_exercises.py`
+checks that each passes `check("6.N", ...)`. Learners: try first, then compare.
+"""
+
+
+def launch_vars(env):
+    """Exercise 6.1: (rank, local_rank, world_size), the innermost launcher first."""
+    if "TORCHELASTIC_RUN_ID" in env:                 # torchrun (or torch.distributed.launch)
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    elif "OMPI_COMM_WORLD_RANK" in env:              # mpirun (OpenMPI)
+        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE")
+    elif "SLURM_STEP_NUM_TASKS" in env:              # an srun step (not the batch script)
+        names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS")
+    else:                                            # no launcher: one process alone
+        return 0, 0, 1
+    rank, local_rank, world_size = (int(env[name]) for name in names)
+    return rank, local_rank, world_size
+
+
+def node_command(node):
+    """Exercise 6.2: the torchrun command to type on `node` (node02 is the master)."""
+    node_rank = ["node02", "node03", "node04"].index(node)
+    return ("torchrun --nnodes=3 --nproc_per_node=4 "
+            f"--node_rank={node_rank} "
+            "--master_addr=192.168.0.101 --master_port=29500 "
+            "-m ddplab.train")
+
+
+def master_addr(nodelist):
+    """Exercise 6.3: the first host of a Slurm node list, "gpu[07-09],cpu1" -> "gpu07"."""
+    depth, end = 0, len(nodelist)
+    for i, char in enumerate(nodelist):              # the first comma outside [...]
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end]
+    if "[" not in first:
+        return first
+    prefix, ranges = first.split("[", 1)
+    return prefix + ranges.split("]")[0].replace("-", ",").split(",")[0]
