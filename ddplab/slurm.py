@@ -22,7 +22,6 @@ are checked here as root (containers, CI).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import getpass
 import os
@@ -41,6 +40,8 @@ PROGRAMS = ("slurmctld", "slurmd", "srun", "sbatch", "squeue", "scancel", "sinfo
 START_TIMEOUT = 30.0  # seconds for the node to become idle
 STOP_TIMEOUT = 15.0  # seconds for jobs, then daemons, to end before they are killed
 PARTITION = "debug"
+NEVER = ("PartitionConfig", "PartitionNodeLimit", "BadConstraints", "ReqNodeNotAvail")
+"""Reasons a pending job gives when this cluster can never run it (it asks for too much)."""
 
 
 class SlurmError(RuntimeError):
@@ -62,11 +63,25 @@ def _program(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
 
 
+def _find_prctl():
+    """Linux's prctl, looked up once here: loading a library between fork and exec, in a
+    process with threads (a Jupyter kernel), could deadlock."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _find_prctl()
+
+
 def _die_with_parent() -> None:
-    """In the child, before exec: receive SIGTERM when the parent process ends (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    """In the child, before exec: receive SIGTERM when the parent ends (Linux).
+
+    Strictly, when the thread that started the child ends: start the cluster from a thread
+    that lives as long as it (a notebook's cells, a test session's main thread do)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _config(directory: Path, host: str, ports: tuple[int, int], cpus: int) -> str:
@@ -217,6 +232,11 @@ class LocalSlurm:
         try:
             while (state := self._job_state(job))[0] in ("PENDING", "CONFIGURING", "RUNNING",
                                                           "COMPLETING"):
+                if state[0] == "PENDING" and state[2] in NEVER:
+                    raise SlurmError(f"batch job {job} of {script} can never start here "
+                                     f"(pending, reason {state[2]}): it asks for more than "
+                                     f"this one node of {self.cpus} CPUs has (check --nodes, "
+                                     "--ntasks, --cpus-per-task, --gpus); it was cancelled")
                 if time.monotonic() > deadline:
                     raise SlurmError(f"batch job {job} of {script} did not end within "
                                      f"{timeout:.0f} s; it was cancelled")
@@ -225,16 +245,18 @@ class LocalSlurm:
             self.run(["scancel", job], check=False)  # a no-op once it ended
         text = out.read_text() if out.exists() else ""
         out.unlink(missing_ok=True)
-        if state != ("COMPLETED", "0:0"):
+        if state[:2] != ("COMPLETED", "0:0"):
             raise SlurmError(f"batch job {job} of {script} ended {state[0]} with exit code "
                              f"{state[1]}:\n{text}")
         return text
 
-    def _job_state(self, job: str) -> tuple[str, str]:
-        """("COMPLETED", "0:0"): the job's state and exit code, from `scontrol show job`."""
+    def _job_state(self, job: str) -> tuple[str, str, str]:
+        """("COMPLETED", "0:0", "None"): the job's state, exit code and the reason it waits,
+        from `scontrol show job`."""
         fields = dict(item.split("=", 1) for item in self.run(
             ["scontrol", "--oneliner", "show", "job", job]).stdout.split() if "=" in item)
-        return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
+        return (fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", ""),
+                fields.get("Reason", ""))
 
     def _log_tail(self, lines: int = 15) -> str:
         tails = []

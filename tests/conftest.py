@@ -1,12 +1,15 @@
-"""Shared test fixtures: a real `ddplab lab` server, for the tests that talk to JupyterLab."""
+"""Shared test fixtures: a real `ddplab lab` server, for the tests that talk to JupyterLab,
+and a one-node Slurm cluster, for the tests that run `srun` and `sbatch`."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ddplab import slurm as local_slurm
 from ddplab.launch import free_port
 
 TOKEN = "ddplab-test"
@@ -81,3 +85,49 @@ def _wait_until_it_answers(lab: Lab, seconds: float = 60) -> None:
 def start_lab(tmp_path: Path):
     """`with start_lab(folder) as lab:` runs `ddplab lab` in that folder for the block."""
     return lambda cwd: _running_lab(cwd, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[local_slurm.LocalSlurm]:
+    """A one-node Slurm cluster (slurmctld + slurmd) for the whole session, in a private
+    temporary directory that goes with it; stopped at the end, whatever the tests did.
+
+    Without Slurm the tests that use it are skipped, saying what to install; with
+    DDPLAB_REQUIRE_LAUNCHERS set (CI), they fail instead. Use `cluster` in a test: it
+    cancels the jobs the test left behind.
+    """
+    reason = local_slurm.missing()
+    if reason:
+        if os.environ.get("DDPLAB_REQUIRE_LAUNCHERS"):
+            pytest.fail(f"{reason} (DDPLAB_REQUIRE_LAUNCHERS is set)")
+        pytest.skip(reason)
+    with (tempfile.TemporaryDirectory(prefix="ddplab-slurm-") as directory,
+          local_slurm.LocalSlurm(directory) as cluster):
+        yield cluster
+
+
+@pytest.fixture
+def cluster(slurm: local_slurm.LocalSlurm) -> Iterator[local_slurm.LocalSlurm]:
+    """The session's Slurm cluster, with every job the test left (queued or running)
+    cancelled when it ends, so that no test inherits another's jobs."""
+    try:
+        yield slurm
+    finally:
+        slurm.cancel_all()
+
+
+NEEDS_LAUNCHERS = {"06b_launchers_clusters.ipynb"}
+"""Chapters that start a real Slurm cluster and mpirun."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Chapter 6b's cells need Slurm and OpenMPI: without them, skip the chapter saying what
+    to install (with DDPLAB_REQUIRE_LAUNCHERS set, as in CI, run it and let it fail)."""
+    missing = local_slurm.missing() or (None if shutil.which("mpirun") else
+                                        "OpenMPI's mpirun is not installed here. On Debian "
+                                        "or Ubuntu: sudo apt-get install openmpi-bin")
+    if not missing or os.environ.get("DDPLAB_REQUIRE_LAUNCHERS"):
+        return
+    for item in items:
+        if Path(str(item.fspath)).name in NEEDS_LAUNCHERS:
+            item.add_marker(pytest.mark.skip(reason=missing))
