@@ -10,7 +10,7 @@ survives. So this script resumes from OUT/checkpoint.pt when it exists, and a re
 costs at most one epoch, not the whole run. TORCHELASTIC_RESTART_COUNT says which attempt
 this is (0 the first).
 
-To see it happen, set FAIL_ONCE=1: rank 1 then fails a few steps into epoch 2 of the
+To see it happen, set FAIL_ONCE=1: rank 1 then fails at its first step of epoch 2 in the
 first attempt (after epoch 1's checkpoint was written), and the second attempt finishes.
 """
 
@@ -24,7 +24,8 @@ RANK = int(os.environ.get("RANK", 0))
 
 
 def fail_once(record: dict) -> None:
-    """An on_log hook: the first attempt's rank 1 fails at its first record of epoch 2."""
+    """An on_log hook (called every step: log_every=1): the first attempt's rank 1 fails
+    at its first step of epoch 2."""
     if (os.environ.get("FAIL_ONCE") and ATTEMPT == 0 and RANK == 1
             and record["kind"] == "step" and record["epoch"] == 2):
         raise RuntimeError(f"rank {RANK} fails at step {record['step']} (attempt {ATTEMPT})")
@@ -32,6 +33,7 @@ def fail_once(record: dict) -> None:
 
 if __name__ == "__main__":
     cfg = parse_args()
+    cfg.log_every = 1  # fail_once sees every step, however short the epochs
     cfg.resume = cfg.out is not None and (Path(cfg.out) / CHECKPOINT).is_file()
     if RANK == 0:
         print(f"attempt {ATTEMPT + 1}: " + ("resuming from the checkpoint" if cfg.resume
