@@ -6,10 +6,10 @@
 
 The launchers chapter runs real `torchrun`, `srun` and `mpirun` commands. Each goes
 through bash, exactly as written, in its own process group, so that Ctrl-C in the
-notebook, a timeout or a failing cell stops the launcher *and* everything it started
-(killing only the launcher would orphan its workers). `$RUNS` is a private temporary
-directory for checkpoints and logs (removed by `close()`); torchrun's own log folders go
-there too, through TMPDIR.
+notebook or a timeout stops the launcher *and* the processes it started (killing only
+the launcher would orphan its workers; an `srun`'s tasks end with the `srun`). `$RUNS` is
+a private temporary directory for checkpoints and logs (removed by `close()`); torchrun's
+own log folders go there too, through TMPDIR.
 
 What is shown is the command, then its stdout, then its stderr (kept apart, not
 interleaved: the order in which two processes' lines reach a terminal varies from run to
@@ -28,8 +28,11 @@ import sys
 import sysconfig
 import tempfile
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 TIMEOUT = 300.0  # seconds a command may run before it and its children are stopped
 GRACE = 10.0  # seconds between SIGTERM (a launcher stops its workers) and SIGKILL
@@ -81,13 +84,19 @@ class Shell:
 
     def together(self, commands: Mapping[str, str], *, check: bool = True,
                  timeout: float = TIMEOUT, show: bool = True) -> dict[str, Done]:
-        """Start every command at once (two "nodes"), wait for all, show each in turn."""
-        started = {}
+        """Start every command at once (two "nodes"), wait for all, show each in turn.
+
+        Each command's output is read in a thread of its own: read one after the other, a
+        command could fill its pipe and stall while the first waits for it.
+        """
+        started: dict[str, tuple[str, subprocess.Popen]] = {}
         try:
             for name, command in commands.items():
                 started[name] = (command, self._start(command))
-            done = {name: self._wait(command, process, timeout)
-                    for name, (command, process) in started.items()}
+            with ThreadPoolExecutor(len(started)) as pool:
+                futures = {name: pool.submit(self._wait, command, process, timeout)
+                           for name, (command, process) in started.items()}
+                done = {name: future.result() for name, future in futures.items()}
         except BaseException:
             for _, process in started.values():
                 _stop_group(process)
@@ -142,14 +151,28 @@ class Shell:
 
 
 def _stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the command's process group (launchers pass it on to their workers), a
-    grace period, then SIGKILL to whatever of the group is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            break
-        if sig == signal.SIGTERM:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.communicate(timeout=GRACE)
-    process.communicate()
+    """Stop a command and everything it started: SIGTERM first (a launcher passes it on to
+    its workers), a grace period, then SIGKILL to whatever is left.
+
+    The descendants are listed before any signal: torchrun starts its workers in sessions
+    of their own, out of reach of the command's process group, and an orphaned worker
+    would outlive the cell holding its pipes open.
+    """
+    try:
+        family = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(GRACE)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired, ValueError):
+        process.communicate(timeout=GRACE)  # the pipes close once every writer is gone

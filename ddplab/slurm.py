@@ -22,6 +22,7 @@ are checked here as root (containers, CI).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import getpass
 import os
@@ -33,12 +34,15 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 from ddplab.launch import free_port
 
 PROGRAMS = ("slurmctld", "slurmd", "srun", "sbatch", "squeue", "scancel", "sinfo",
             "scontrol")
 START_TIMEOUT = 30.0  # seconds for the node to become idle
 STOP_TIMEOUT = 15.0  # seconds for jobs, then daemons, to end before they are killed
+CLIENT_TIMEOUT = 10.0  # seconds for sinfo, squeue, scancel: the controller answers at once
 PARTITION = "debug"
 NEVER = ("PartitionConfig", "PartitionNodeLimit", "BadConstraints", "ReqNodeNotAvail")
 """Reasons a pending job gives when this cluster can never run it (it asks for too much)."""
@@ -130,14 +134,14 @@ class LocalSlurm:
                               else directory)
         self.host = "localhost"  # the node's name, and the controller's
         self.cpus = max(os.cpu_count() or 1, 4)
-        for sub in ("state", "spool"):
-            (self.directory / sub).mkdir(parents=True, exist_ok=True)
         self.conf = self.directory / "slurm.conf"
-        self.conf.write_text(_config(self.directory, self.host, (free_port(), free_port()),
-                                     self.cpus))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._daemons: list[subprocess.Popen] = []
         try:
+            for sub in ("state", "spool"):
+                (self.directory / sub).mkdir(parents=True, exist_ok=True)
+            self.conf.write_text(_config(self.directory, self.host,
+                                         (free_port(), free_port()), self.cpus))
             self._start()
         except BaseException:
             self.stop()
@@ -157,7 +161,8 @@ class LocalSlurm:
                 if daemon.poll() is not None:
                     raise SlurmError(f"{Path(daemon.args[0]).name} exited with status "
                                      f"{daemon.returncode} while starting:\n{self._log_tail()}")
-            state = self.run(["sinfo", "-h", "-o", "%T"], check=False).stdout.strip()
+            state = self.run(["sinfo", "-h", "-o", "%T"], check=False,
+                             timeout=CLIENT_TIMEOUT).stdout.strip()
             if state == "idle":
                 return
             time.sleep(0.2)
@@ -165,29 +170,49 @@ class LocalSlurm:
                          f"{self._log_tail()}")
 
     def stop(self) -> None:
-        """Cancel every job, wait for its steps to end, stop both daemons, remove the files."""
-        if any(d.poll() is None for d in self._daemons):
-            self.cancel_all()
-        for daemon in reversed(self._daemons):  # slurmd first, then the controller
-            if daemon.poll() is None:
-                daemon.terminate()
-            try:
-                daemon.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
-        self._daemons.clear()
-        if self._own_dir:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        """Cancel every job, wait for its steps to end, stop both daemons, remove the files.
+
+        Whatever fails on the way (a controller that no longer answers), the daemons are
+        stopped and the files removed."""
+        try:
+            if any(d.poll() is None for d in self._daemons):
+                self.cancel_all()
+        finally:
+            for daemon in reversed(self._daemons):  # slurmd first, then the controller
+                if daemon.poll() is None:
+                    daemon.terminate()
+                try:
+                    daemon.wait(STOP_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    daemon.kill()
+                    daemon.wait()
+            self._daemons.clear()
+            self._kill_leftovers()
+            if self._own_dir:
+                shutil.rmtree(self.directory, ignore_errors=True)
 
     def cancel_all(self) -> None:
         """Cancel every job on the cluster and wait until none is left (or STOP_TIMEOUT)."""
-        self.run(["scancel", "--full", "--partition", PARTITION], check=False)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.run(["scancel", "--full", "--partition", PARTITION], check=False,
+                     timeout=CLIENT_TIMEOUT)
         deadline = time.monotonic() + STOP_TIMEOUT
         while time.monotonic() < deadline:
-            if not self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip():
-                return
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if not self.run(["squeue", "-h", "-o", "%i"], check=False,
+                                timeout=CLIENT_TIMEOUT).stdout.strip():
+                    return
             time.sleep(0.2)
+        raise SlurmError(f"jobs were still running {STOP_TIMEOUT:.0f} s after scancel")
+
+    def _kill_leftovers(self) -> None:
+        """Kill any process still running with this cluster's SLURM_CONF (a job step that
+        outlived its daemons: slurmstepd is not a child of slurmd)."""
+        mine = str(self.conf)
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if process.environ().get("SLURM_CONF") == mine and process.pid != os.getpid():
+                    process.kill()
 
     def __enter__(self) -> LocalSlurm:
         return self

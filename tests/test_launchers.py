@@ -272,19 +272,17 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def runs(request, tmp_path_factory, tiny) -> Iterator[Background]:
-    """The background runs, the ones this session's selected tests read started at once
-    (the reference first): a test names its run in its `run_name` parameter."""
+    """The background runs, the ones this session's selected tests read started at once:
+    a test names its run in its `run_name` parameter."""
     wanted: set[str] = set()
     for item in request.session.items:
         if getattr(item, "module", None) is not request.module:
             continue
-        if "reference" in item.fixturenames:
-            wanted.add("reference")
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("run_name") in BACKGROUND:
             wanted.add(callspec.params["run_name"])
     started = Background(tmp_path_factory.mktemp, tiny)
-    for name in BACKGROUND:  # the reference, then the longest: registered in that order
+    for name in BACKGROUND:  # the longest first: registered in that order
         if name in wanted:
             started.start(name)
     yield started

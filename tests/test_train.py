@@ -1,16 +1,17 @@
 """ddplab.train: one DDP training module, the same weights under every launcher.
 
-Real ranks everywhere: a ddplab Pool, real `torchrun` and, where OpenMPI is installed, a
-real `mpirun`. Tests that start a launcher are marked `launchers` (deselect them with
-`-m "not launchers"` for a fast inner loop); with DDPLAB_REQUIRE_LAUNCHERS set (CI), a
-missing `mpirun` fails instead of skipping.
+Real ranks everywhere: a ddplab Pool, and real `torchrun` for a bad option failing fast on
+every rank. That torchrun, mpirun, srun and the other launchers end with the pool's
+weights is shown, tensor by tensor, by chapters 5, 6a and 6b, which nbval re-executes on
+every test run (tests/test_launchers.py runs what the chapters do not). Tests that start a
+launcher are marked `launchers` (deselect them with `-m "not launchers"` for a fast inner
+loop).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,6 @@ from ddplab import Pool, RankError
 from ddplab.data import load_mnist, save_subset
 from ddplab.train import CHECKPOINT, Config, Net, inputs, train
 
-MPIRUN = shutil.which("mpirun")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -71,14 +71,6 @@ def torchrun(n: int) -> list[str]:
             f"--nproc_per_node={n}"]
 
 
-def mpirun(n: int) -> list[str]:
-    if MPIRUN is None:
-        if os.environ.get("DDPLAB_REQUIRE_LAUNCHERS"):
-            pytest.fail("mpirun is missing (DDPLAB_REQUIRE_LAUNCHERS is set): install "
-                        "Debian's openmpi-bin")
-        pytest.skip("mpirun not found: install OpenMPI (Debian: apt-get install openmpi-bin)")
-    return [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(n), sys.executable]
-
 
 def load(out: Path) -> dict:
     return torch.load(out / CHECKPOINT)  # torch's default: weights_only=True
@@ -110,23 +102,6 @@ def test_the_checkpoint_holds_a_bare_state_dict_and_loads_with_weights_only(pool
     Net().load_state_dict(state["model"])  # loads into the plain model
     assert {"optimizer", "rng", "config", "history"} <= state.keys()
     assert not list(out.glob(".*"))  # no temporary file left beside it
-
-
-@pytest.mark.launchers
-def test_torchrun_ends_with_the_pool_runs_weights(pool_run, small_mnist, tmp_path):
-    done = run_module(torchrun(2), "--epochs=2", f"--data={small_mnist}", f"--out={tmp_path}")
-    assert done.returncode == 0, done.stderr
-    assert same_weights(load(tmp_path)["model"], pool_run[0][0]["model"])
-    assert "epoch 2/2" in done.stdout and "(torchrun)" in done.stdout
-    assert done.stdout.count("epoch 1/2") == 1  # rank 0 alone reports
-
-
-@pytest.mark.launchers
-def test_mpirun_ends_with_the_pool_runs_weights(pool_run, small_mnist, tmp_path):
-    done = run_module(mpirun(2), "--epochs=2", f"--data={small_mnist}", f"--out={tmp_path}")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert same_weights(load(tmp_path)["model"], pool_run[0][0]["model"])
-    assert "(openmpi)" in done.stdout
 
 
 def test_resuming_after_epoch_1_gives_the_weights_of_2_epochs_in_one_go(pool_run, small_mnist,

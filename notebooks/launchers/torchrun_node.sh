@@ -9,8 +9,8 @@
 #   NNODES=2  NPROC_PER_NODE=1  MASTER_PORT=29500
 #   RDZV=static  the classic rendezvous: node ranks are NODE_RANK, and every node waits
 #                for NODE_RANK 0, which hosts the store on MASTER_ADDR:MASTER_PORT
-#   RDZV=c10d    torchrun's elastic rendezvous: nodes start in any order and get their
-#                node ranks in order of arrival (NODE_RANK is not used)
+#   RDZV=c10d    torchrun's elastic rendezvous: nodes start in any order, and the
+#                rendezvous numbers them itself (NODE_RANK is not used)
 # Arguments go to ddplab.train.
 set -euo pipefail
 : "${NNODES:=2}" "${NPROC_PER_NODE:=1}" "${MASTER_PORT:=29500}" "${RDZV:=static}"
