@@ -5,8 +5,9 @@
     pool.run(fn)             # fn runs on every rank; the result is a list by rank
     %%ranks                  # a cell that runs on every rank
 
-In IPython, importing ddplab starts the forkserver (a process with torch already
-imported) in the background, so the first Pool starts in a fraction of a second.
+In IPython, importing ddplab registers `%%ranks` and starts the forkserver (a process with
+torch already imported) in the background, so the first Pool starts in a fraction of a
+second.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ _LAZY = {"Pool": "ddplab.pool", "current_pool": "ddplab.pool", "RankError": "ddp
 
 
 def __getattr__(name: str):
+    if name == "Pool":  # a pool is coming: its forkserver imports torch meanwhile
+        from ddplab import forkserver
+
+        forkserver.get()
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ddplab' has no attribute {name!r}")
@@ -42,15 +47,13 @@ def load_ipython_extension(ip) -> None:
     forkserver.get()
 
 
-def _in_ipython() -> bool:
+def _in_ipython():
     if "IPython" not in sys.modules:
-        return False
+        return None
     from IPython import get_ipython
 
-    return get_ipython() is not None
+    return get_ipython()
 
 
-if _in_ipython():  # a learner is about to start a pool: get torch loaded meanwhile
-    from ddplab import forkserver as _forkserver
-
-    _forkserver.get()
+if (_ip := _in_ipython()) is not None:  # a learner is about to start a pool
+    load_ipython_extension(_ip)

@@ -434,10 +434,10 @@ def _pool(world_size: int, backend: str, timeout: float, show_output: bool) -> I
     probe that hangs is always ended by the pool (which rebuilds itself) rather than by a
     backend error raised at nearly the same moment, which would read differently each run.
     """
-    from ddplab.pool import Pool, quiet_pool
+    from ddplab.pool import Pool
 
-    kwargs = {"backend": backend, "timeout": max(30.0, 3 * timeout)}
-    with (Pool(world_size, **kwargs) if show_output else quiet_pool(world_size, **kwargs)) as pool:
+    with Pool(world_size, backend=backend, timeout=max(30.0, 3 * timeout),
+              quiet=not show_output) as pool:
         pool.error_grace = _ERROR_GRACE
         yield pool
 

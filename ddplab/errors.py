@@ -8,9 +8,12 @@ not finish was stuck, and whether the pool had to be restarted.
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 from dataclasses import dataclass
+
+from ddplab.timeouts import DEFAULT as _TIMEOUTS
 
 
 @dataclass
@@ -23,6 +26,13 @@ class RankFailure:
     traceback: str  # formatted inside the rank: cells named "Cell In[N]", no ddplab frames
     time: float  # time.monotonic() when it happened (comparable between processes)
     exception_bytes: bytes | None = None
+    started: float | None = None  # time.monotonic() when this rank began the call
+    hint: str = ""  # the likely cause, and the switch that finds it, when one is known
+
+    @property
+    def elapsed(self) -> float | None:
+        """Seconds from this rank's own start of the call to the failure."""
+        return None if self.started is None else self.time - self.started
 
     @property
     def exception(self) -> BaseException | None:
@@ -42,8 +52,6 @@ class RankFailure:
 
 def describe_exit(status: int | None) -> str:
     """'was killed by signal 11 (SIGSEGV)' / 'exited with code 3' from a wait status."""
-    import os
-
     if status is None:
         return "died (its exit status is unknown)"
     if os.WIFSIGNALED(status):
@@ -56,35 +64,141 @@ def describe_exit(status: int | None) -> str:
     return f"exited with code {os.WEXITSTATUS(status)}"
 
 
-SIMULTANEOUS = 0.5
-"""Failures this many seconds apart count as simultaneous (the lowest rank is named)."""
+GLOO_ABORT_HINT = (
+    "gloo aborts a rank (SIGABRT, often after 'op.preamble.length <= op.nbytes') when the "
+    "ranks disagree about a message: a collective called with different shapes, dtypes or "
+    "counts on different ranks, or a recv whose buffer is smaller than the send. "
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL (set before Pool()) makes torch compare every "
+    "collective's shapes across the ranks first and name the mismatch; for send/recv, "
+    "print the shapes on both sides.")
 
 
-def _root_cause(failures: dict[int, RankFailure]) -> tuple[int | None, list[int]]:
+def died(rank: int, status: int | None, backend: str, seen: float,
+         started: float | None) -> RankFailure:
+    """The failure of a rank whose process ended, with a hint when the signal suggests one."""
+    hint = ""
+    if (backend == "gloo" and status is not None and os.WIFSIGNALED(status)
+            and os.WTERMSIG(status) == signal.SIGABRT):
+        hint = GLOO_ABORT_HINT
+    return RankFailure(rank, "died", describe_exit(status), "", seen, started=started, hint=hint)
+
+
+def _root_cause(failures: dict[int, RankFailure],
+                simultaneous: float) -> tuple[int | None, list[int]]:
     """(the rank that failed first, the other ranks that failed at the same moment).
 
     A rank that died comes first: its peers' errors ("connection closed by peer") are
     consequences that gloo raises the instant its socket closes. Among exceptions, ranks
-    running the same code often fail within milliseconds of each other, in an order that
-    changes from run to run; they are reported as simultaneous, lowest rank first, so the
-    message is the same every time.
+    running the same code often fail within milliseconds of each other. Each failure is
+    timed from its own rank's start of the call, so when the kernel's message reached one
+    rank later than another (a loaded machine) the verdict does not change: failures within
+    `simultaneous` seconds are reported together, lowest rank first.
     """
     if not failures:
         return None, []
-    died = [f for f in failures.values() if f.type == "died"]
-    pool = died or list(failures.values())
-    first = min(f.time for f in pool)
-    together = sorted(f.rank for f in pool if f.time - first <= SIMULTANEOUS)
+    died_ = [f for f in failures.values() if f.type == "died"]
+    pool = died_ or list(failures.values())
+
+    def when(f: RankFailure) -> float:
+        # Deaths are ordered by the clock: a death causes its peers' failures.
+        return f.time if died_ or f.elapsed is None else f.elapsed
+
+    first = min(when(f) for f in pool)
+    together = sorted(f.rank for f in pool if when(f) - first <= simultaneous)
     return together[0], together[1:]
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of a stack, named as the learner reads it ("Cell In[4]", line 5)."""
+
+    file: str  # "Cell In[4]", "torch/distributed/distributed_c10d.py", "train.py"
+    line: int
+    function: str
+    code: str = ""
+
+    def format(self) -> str:
+        where = f'  File "{self.file}", line {self.line}, in {self.function}\n'
+        return where + (f"    {self.code}\n" if self.code else "")
+
+
+@dataclass
+class ThreadStack:
+    """Where one thread of a rank is: the learner's frames, and the library call it waits in.
+
+    `frames` runs outermost first and ends at the learner's innermost frame (the line that
+    called into the library); the library's own frames are left out but the innermost,
+    `waiting_in`, which names what the thread is waiting for.
+    """
+
+    name: str  # the thread's name ("MainThread", "Thread-1 (worker)")
+    frames: list[Frame]
+    waiting_in: Frame | None  # the innermost library frame, if the thread is in a library
+
+    @property
+    def headline(self) -> str:
+        """"waiting in recv() of torch/distributed/distributed_c10d.py", or what it does."""
+        if self.waiting_in is not None:
+            return f"waiting in {self.waiting_in.function}() of {self.waiting_in.file}"
+        return "running its own code" if self.frames else "not running Python code"
+
+    def format(self) -> str:
+        return "".join(frame.format() for frame in self.frames)
 
 
 @dataclass
 class Stuck:
-    """Where a rank that did not finish was when the pool gave up on it."""
+    """Where a rank that did not finish was when the pool gave up on it.
+
+    `threads` holds the main thread first, then (with `Pool(all_threads=True)`) the rank's
+    other Python threads: a DataLoader's, DDP's. It is empty when the rank did not answer
+    (busy in native code while holding the GIL); `rank`, `function`, `file` and `line` are
+    the fields to read, so that no code has to parse the report's text.
+    """
 
     rank: int
-    headline: str  # e.g. "waiting in recv() of torch/distributed/distributed_c10d.py"
-    stack: str  # the learner's frames, formatted
+    threads: list[ThreadStack]
+
+    @property
+    def main(self) -> ThreadStack | None:
+        return self.threads[0] if self.threads else None
+
+    @property
+    def headline(self) -> str:
+        if self.main is None:
+            return ("not answering (busy in native code); its stack dump, if any, is in its "
+                    "stderr above")
+        return self.main.headline
+
+    @property
+    def _where(self) -> Frame | None:
+        main = self.main
+        if main is None:
+            return None
+        return main.frames[-1] if main.frames else main.waiting_in
+
+    @property
+    def function(self) -> str | None:
+        """What the rank is waiting in ("all_reduce"), or its own function if it is running."""
+        main = self.main
+        if main is not None and main.waiting_in is not None:
+            return main.waiting_in.function
+        return self._where.function if self._where else None
+
+    @property
+    def file(self) -> str | None:
+        """The learner's file or cell the rank is stuck in ("Cell In[4]")."""
+        return self._where.file if self._where else None
+
+    @property
+    def line(self) -> int | None:
+        """The line of `file` the rank is stuck at."""
+        return self._where.line if self._where else None
+
+    @property
+    def stack(self) -> str:
+        """The main thread's frames, formatted as a traceback's."""
+        return self.main.format() if self.main else ""
 
 
 class RankError(RuntimeError):
@@ -97,11 +211,12 @@ class RankError(RuntimeError):
     """
 
     def __init__(self, failures: dict[int, RankFailure], stuck: dict[int, Stuck],
-                 restarted: bool, reason: str = "") -> None:
+                 restarted: bool, reason: str = "",
+                 simultaneous: float = _TIMEOUTS.simultaneous) -> None:
         self.failures = dict(sorted(failures.items()))
         self.stuck = dict(sorted(stuck.items()))
         self.restarted = restarted
-        self.root_cause, self.simultaneous = _root_cause(self.failures)
+        self.root_cause, self.simultaneous = _root_cause(self.failures, simultaneous)
         super().__init__(self._compose(reason))
 
     def _compose(self, reason: str) -> str:
@@ -114,6 +229,8 @@ class RankError(RuntimeError):
             lines += [f.headline() for r, f in self.failures.items() if r != self.root_cause]
         if reason:
             lines.append(reason)
+        for hint in dict.fromkeys(f.hint for f in self.failures.values() if f.hint):
+            lines.append(f"Hint: {hint}")
         if self.restarted:
             lines.append("The pool was restarted, so the ranks' variables are reset.")
         for r, f in self.failures.items():
@@ -126,8 +243,11 @@ class RankError(RuntimeError):
             lines += ["", f"--- rank {r}: {s.headline} ---"]
             if s.stack:
                 lines.append(s.stack.rstrip())
+            for thread in s.threads[1:]:
+                lines += [f"  thread {thread.name!r}: {thread.headline}"]
+                if thread.frames:
+                    lines.append(thread.format().rstrip())
         return "\n".join(lines)
-
 
     def _render_traceback_(self) -> list[str]:
         """What IPython shows: the ranks' story only.

@@ -14,6 +14,13 @@ the pool can say "rank 2 was killed by signal 11".
 Lifetime: the server and every rank hold the read end of a "lifeline" pipe whose write end
 only the kernel holds. When the kernel dies, even by SIGKILL, the pipe reads EOF and they
 all exit. Nothing is left behind.
+
+Debug switches: torch reads some variables once, when it is imported (TORCH_CPP_LOG_LEVEL
+sets up c10's logging, TORCH_DISTRIBUTED_DEBUG the process groups' debug level, TORCH_LOGS
+torch's Python logging). A rank forked from a server that imported torch before the
+learner set them would ignore them. So each server is started for one setting of the
+variables torch might read (`import_time`), and a pool whose setting differs gets a fresh
+server; a server left with no ranks is stopped when another one starts.
 """
 
 from __future__ import annotations
@@ -30,10 +37,23 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Mapping
+
+from ddplab.timeouts import DEFAULT as _TIMEOUTS
 
 _HEADER = struct.Struct("!I")
 _SERVER_MAIN = "import sys; from ddplab.forkserver import serve; serve(*map(int, sys.argv[1:]))"
 _MAX_FDS = 8
+IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "GLOO_", "NCCL_")
+"""Variables with these prefixes may be read by torch at import; rather than keep a list
+of which ones are (it changes between releases), all of them choose the server."""
+
+Setting = tuple[tuple[str, str], ...]
+
+
+def import_time(env: Mapping[str, str]) -> Setting:
+    """The variables of `env` torch may read when it is imported, as a hashable key."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
 
 
 class ForkServerError(RuntimeError):
@@ -74,14 +94,17 @@ def _recv(sock: socket.socket) -> tuple[object, list[int]]:
 # --- the kernel's side ---
 
 class ForkServer:
-    """The kernel's handle on its forkserver process."""
+    """The kernel's handle on one forkserver process, started for one `Setting`."""
 
-    def __init__(self) -> None:
+    def __init__(self, setting: Setting = ()) -> None:
+        self.setting = setting
         self._lock = threading.RLock()
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._ready = False
         self.exits: dict[int, int] = {}  # pid -> wait status, as reported by the server
+        self.children: set[int] = set()  # forked, and no exit reported yet
+        self._forgotten: set[int] = set()  # nobody will ask for these exit statuses
 
     @property
     def pid(self) -> int | None:
@@ -99,7 +122,9 @@ class ForkServer:
             lifeline_r = _lifeline()
             ours, theirs = socket.socketpair()
             package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith(IMPORT_TIME_PREFIXES)}
+            env.update(self.setting, OMP_NUM_THREADS="1")
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (package_parent, env.get("PYTHONPATH")) if p)
             try:
@@ -136,11 +161,18 @@ class ForkServer:
                     f"the forkserver died ({doing}; exit status {code}). Its error output "
                     "went to the terminal that runs Jupyter.") from e
             if msg[0] == "exit":
-                self.exits[msg[1]] = msg[2]
+                self._file_exit(msg[1], msg[2])
             else:
                 return msg
 
-    def fork(self, spec: dict, fds: list[int], timeout: float = 120.0) -> int:
+    def _file_exit(self, pid: int, status: int) -> None:
+        self.children.discard(pid)
+        if pid in self._forgotten:
+            self._forgotten.discard(pid)
+        else:
+            self.exits[pid] = status
+
+    def fork(self, spec: dict, fds: list[int], timeout: float = _TIMEOUTS.fork) -> int:
         """Fork a rank that runs `ddplab.worker.main(spec, *fds)`; returns its pid."""
         with self._lock:
             for attempt in (1, 2):
@@ -149,6 +181,7 @@ class ForkServer:
                     self._wait_ready(timeout)
                     _send(self._sock, ("fork", spec), fds)
                     reply = self._next_reply(time.monotonic() + timeout, "fork")
+                    self.children.add(reply[1])
                     return reply[1]
                 except (ForkServerError, OSError):
                     if attempt == 2:
@@ -164,13 +197,25 @@ class ForkServer:
                 except (EOFError, OSError):
                     return
                 if msg[0] == "exit":
-                    self.exits[msg[1]] = msg[2]
+                    self._file_exit(msg[1], msg[2])
 
-    def forget(self, pids) -> None:
-        """Drop the exit reports of ranks nobody will ask about (a pool killed them)."""
-        self.poll_exits()
-        for pid in pids:
-            self.exits.pop(pid, None)
+    def forget(self, pids: Iterable[int]) -> None:
+        """Drop the exit reports of ranks nobody will ask about (a pool killed them).
+
+        Reports that have not arrived yet are dropped when they do, so a kernel that
+        starts pools all day keeps no record of their ranks.
+        """
+        with self._lock:
+            self.poll_exits()
+            for pid in pids:
+                if self.exits.pop(pid, None) is None and pid in self.children:
+                    self._forgotten.add(pid)
+
+    def busy(self) -> bool:
+        """Are ranks forked by this server still running?"""
+        with self._lock:
+            self.poll_exits()
+            return bool(self.children)
 
     def wait_exit(self, pid: int, timeout: float) -> int | None:
         """The wait status of a rank that has ended, or None if it is not known in time."""
@@ -202,9 +247,11 @@ class ForkServer:
         self._proc = None
         self._ready = False
         self.exits.clear()
+        self.children.clear()
+        self._forgotten.clear()
 
 
-_server: ForkServer | None = None
+_servers: dict[Setting, ForkServer] = {}
 _server_lock = threading.Lock()
 _lifeline_fds: tuple[int, int] | None = None
 
@@ -221,20 +268,33 @@ def _lifeline() -> int:
     return _lifeline_fds[0]
 
 
-def running() -> ForkServer | None:
-    """This process's forkserver handle if one was started; never starts one."""
-    return _server if _server is not None and _server.alive() else None
+def running(env: Mapping[str, str] | None = None) -> ForkServer | None:
+    """The forkserver for `env` (default: this process's) if one is running; never starts one."""
+    server = _servers.get(import_time(os.environ if env is None else env))
+    return server if server is not None and server.alive() else None
 
 
-def get() -> ForkServer:
-    """This process's forkserver handle (one per kernel), started on first use."""
-    global _server
+def get(env: Mapping[str, str] | None = None) -> ForkServer:
+    """The forkserver for `env` (default: this process's environment), started on first use.
+
+    One server per setting of torch's import-time variables; servers of other settings
+    that have no ranks left are stopped, so a kernel holds one or two at most.
+    """
+    setting = import_time(os.environ if env is None else env)
     with _server_lock:
-        if _server is None:
-            _server = ForkServer()
-            atexit.register(_server.stop)
-        _server.start()
-        return _server
+        server = _servers.get(setting)
+        if server is None:
+            for other in [k for k, s in _servers.items() if not s.busy()]:
+                _servers.pop(other).stop()
+            server = _servers[setting] = ForkServer(setting)
+        server.start()
+        return server
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_servers.values()):
+        server.stop()
 
 
 # --- the server's side ---

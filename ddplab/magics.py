@@ -17,6 +17,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ddplab.ipython import running_cell
+
 
 def _parse_ranks(text: str | None) -> list[int] | None:
     if text is None:
@@ -48,12 +50,8 @@ class RankMagics(Magics):
         if pool is None:
             raise UsageError("%%ranks needs a running pool: start one first, e.g. "
                              "`from ddplab import Pool; pool = Pool(4)`")
-        # The running cell is the one IPython compiled last (execution_count is already
-        # the next cell's number while a cell runs).
-        number = max(self.shell.compile._filename_map.values(),
-                     default=self.shell.execution_count)
         # Compiled under the name IPython shows, so even a C-level crash dump says it.
-        filename = f"Cell In[{number}]"
+        filename = running_cell(self.shell)
         pool.exec_cell(cell, ranks=_parse_ranks(args.ranks), timeout=args.timeout,
                        stream=args.stream, filename=filename, display_name=filename,
                        full_text=f"%%ranks {line}\n{cell}", first_line=2)

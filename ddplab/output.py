@@ -7,7 +7,7 @@ cell. By default a call's output is shown when the call ends, grouped in rank or
 `[rank N]` headers, so it is the same on every run (nbval compares it). With `stream=True`
 lines are shown as they arrive, each prefixed with `[rank N]`.
 
-A rank ends each call's output with a marker (see worker.py); a call's output is complete
+A rank ends each call's output with a marker (see protocol.py); a call's output is complete
 when both of each rank's streams have shown that marker, or have closed.
 """
 
@@ -19,11 +19,10 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from ddplab.protocol import MARK_HEAD as _MARK_HEAD
+from ddplab.protocol import MARK_TAIL as _MARK_TAIL
 from ddplab.tracebacks import display_path
-from ddplab.worker import MARK
 
-_MARK_HEAD = MARK.split(b"%d")[0]
-_MARK_TAIL = MARK.split(b"%d")[1]
 STREAMS = ("stdout", "stderr")
 
 
@@ -63,12 +62,17 @@ def _rank_order(stream: _Stream) -> tuple[int, int]:
 
 
 class OutputRouter:
-    """Collects the ranks' output for one pool and shows it in the running cell."""
+    """Collects the ranks' output for one pool and shows it in the running cell.
 
-    def __init__(self) -> None:
+    A quiet router reads everything (so no rank ever blocks on a full pipe) and shows
+    nothing: for pools that run code the learner did not write in this cell.
+    """
+
+    def __init__(self, quiet: bool = False) -> None:
         self._by_fd: dict[int, _Stream] = {}
         self._call_id = 0
         self._live = False
+        self.quiet = quiet
 
     def add(self, rank: int, stdout_fd: int, stderr_fd: int) -> None:
         for name, fd in zip(STREAMS, (stdout_fd, stderr_fd), strict=True):
@@ -133,7 +137,7 @@ class OutputRouter:
         stream.pending = data[start:]
 
     def _emit(self, stream: _Stream, text: str) -> None:
-        if not text:
+        if not text or self.quiet:
             return
         if not self._live:
             stream.text.append(text)

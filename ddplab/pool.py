@@ -13,42 +13,27 @@ working pool behind, and no process outlives the pool or the kernel.
 from __future__ import annotations
 
 import contextlib
-import io
-import itertools
-import linecache
-import os
-import pickle
-import select
-import selectors
-import shutil
-import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
-import cloudpickle
-
-from ddplab import forkserver, launch, worker
+from ddplab import calls, launch, protocol
 from ddplab.errors import (
     PoolClosedError,
     PoolNameError,
     PoolTypeError,
     PoolValueError,
     RankError,
-    RankFailure,
     RankTimeout,
-    Stuck,
-    describe_exit,
     ranks_text,
 )
-from ddplab.output import OutputRouter
+from ddplab.processes import Processes, Setup
+from ddplab.timeouts import DEFAULT as DEFAULT_TIMEOUTS
+from ddplab.timeouts import Timeouts
 
 BACKENDS = ("gloo", "nccl")
 # Start-up errors worth a second try with a fresh port: the free port was taken between
@@ -74,35 +59,6 @@ def current_pool() -> Pool | None:
     return None
 
 
-@dataclass
-class _Rank:
-    index: int
-    pid: int
-    conn: Connection  # calls and results
-    ctl: Connection  # "where are you?" while the main thread is busy
-    stdout_fd: int
-    stderr_fd: int
-    sources_sent: set[str]
-
-
-@dataclass
-class _Outcome:
-    """What came back from one call: values, failures, and ranks that never finished."""
-
-    results: dict[int, Any]
-    failures: dict[int, RankFailure]
-    stuck: dict[int, Stuck]
-    broken: bool  # ranks were killed: the process group cannot be trusted again
-    interrupted: bool = False
-    event_error: BaseException | None = None  # raised by the on_event callback
-
-
-def _kill_groups(pids: Iterable[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-
-
 class Pool:
     """A pool of `world_size` rank processes, each with a process group joined.
 
@@ -118,26 +74,33 @@ class Pool:
             override it); also the process group's own timeout, so a collective never
             waits longer than this.
         threads: CPU threads per rank (OMP_NUM_THREADS and torch.set_num_threads).
+        env: environment variables for this pool's ranks, over the kernel's own (which
+            they also get): debug switches such as TORCH_DISTRIBUTED_DEBUG="DETAIL" take
+            effect, even those torch reads only when it is imported.
+        quiet: do not show what the ranks print (for checks and probes that run code the
+            learner did not write in this cell; errors are still raised).
+        all_threads: a hang report shows every Python thread of a stuck rank (DDP's,
+            a DataLoader's), not only the main one.
     """
 
-    error_grace = 3.0
-    """Seconds the other ranks get to finish once one rank has failed."""
-
     def __init__(self, world_size: int, backend: str = "gloo", init_method: str | None = "env",
-                 timeout: float = 60.0, threads: int = 1) -> None:
+                 timeout: float = DEFAULT_TIMEOUTS.call, threads: int = 1,
+                 env: Mapping[str, str] | None = None, quiet: bool = False,
+                 all_threads: bool = False) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise PoolTypeError(f"world_size must be a positive int, not {world_size!r}")
         if world_size <= 0:
             raise PoolValueError(f"world_size must be at least 1, not {world_size}")
         if backend not in BACKENDS:
             raise PoolValueError(f"unknown backend {backend!r}: choose 'gloo' (CPU) or 'nccl' "
-                             "(one GPU per rank)")
+                                 "(one GPU per rank)")
         if init_method not in INIT_METHODS:
             raise PoolValueError(f"unknown init_method {init_method!r}: choose 'env', 'tcp', "
-                             "'file', or None (start processes only)")
-        self._timeout = self._check_timeout(timeout)
+                                 "'file', or None (start processes only)")
+        timeout = self._check_timeout(timeout)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise PoolValueError(f"threads must be a positive int, not {threads!r}")
+        env = self._check_env(env)
         if backend == "nccl":
             try:
                 launch.check_gpus(world_size, nccl="backend='nccl'", gloo="backend='gloo'")
@@ -148,43 +111,51 @@ class Pool:
         self.backend = backend
         self.init_method = init_method
         self.threads = threads
-        self._ranks: list[_Rank] = []
-        self._pids: list[int] = []  # shared with the finalizer, updated in place
-        self._output = OutputRouter()
-        self._selector = selectors.DefaultSelector()
-        self._call_ids = itertools.count(1)
-        self._lock = threading.RLock()
-        self._tmpdir: str | None = None
-        self._generation = 0
+        self.env = env
+        self.all_threads = all_threads
+        self.timeouts: Timeouts = replace(DEFAULT_TIMEOUTS, call=timeout)
         self._closed = False
-        self._finalizer = weakref.finalize(self, _kill_groups, self._pids)
-        if init_method == "file":
-            self._tmpdir = tempfile.mkdtemp(prefix="ddplab-")  # mode 0700: private
-            weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
+        self._lock = threading.RLock()
+        self._procs = Processes(Setup(world_size, backend, init_method, threads, timeout, env),
+                                quiet=quiet)
+        # A pool dropped without shutdown() (a re-run `pool = Pool(4)`) gives everything
+        # back when it is garbage-collected; the finalizer holds the processes, not the pool.
+        self._finalizer = weakref.finalize(self, self._procs.release)
         try:
             self._start()
         except BaseException:
             self._closed = True
-            if self._tmpdir:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._finalizer()
             raise
         _started.append(weakref.ref(self))
-        _enable_magics()
 
     # --- public API ---
 
     @property
     def timeout(self) -> float:
-        return self._timeout
+        return self.timeouts.call
+
+    @property
+    def error_grace(self) -> float:
+        """Seconds the other ranks get to finish once one rank has failed."""
+        return self.timeouts.error_grace
+
+    @error_grace.setter
+    def error_grace(self, seconds: float) -> None:
+        self.timeouts = replace(self.timeouts, error_grace=seconds)
+
+    @property
+    def quiet(self) -> bool:
+        return self._procs.quiet
 
     @property
     def running(self) -> bool:
-        return not self._closed and bool(self._ranks)
+        return not self._closed and bool(self._procs.ranks)
 
     @property
     def pids(self) -> list[int]:
         """The ranks' process ids, rank order."""
-        return [r.pid for r in self._ranks]
+        return self._procs.pids
 
     def run(self, fn: Callable, *args, ranks: Iterable[int] | int | None = None,
             timeout: float | None = None, stream: bool = False,
@@ -202,12 +173,13 @@ class Pool:
         __tracebackhide__ = True
         if not callable(fn):
             raise PoolTypeError(f"pool.run needs a function to call on the ranks, not "
-                            f"{type(fn).__name__} {fn!r}")
+                                f"{type(fn).__name__} {fn!r}")
         if on_event is not None and not callable(on_event):
             raise PoolTypeError(f"on_event must be a function of (rank, value), not "
                                 f"{on_event!r}")
         targets = self._check_ranks(ranks)
-        results = self._call(fn, args, kwargs, targets, timeout, stream, on_event=on_event)
+        results = self._call(calls.Plan(fn, args, kwargs, targets, self._timeout_of(timeout),
+                                        stream, on_event))
         return results if ranks is not None else [results[r] for r in targets]
 
     def push(self, values: dict | None = None, /, **kwargs) -> None:
@@ -217,7 +189,8 @@ class Pool:
         for name in values:
             if not name.isidentifier():
                 raise PoolValueError(f"push: {name!r} is not a valid variable name")
-        self._call(worker.set_vars, (values,), {}, list(range(self.world_size)), None, False)
+        self._call(calls.Plan(protocol.SET_VARS, (values,), {}, list(range(self.world_size)),
+                              self.timeout))
 
     def pull(self, name: str, ranks: Iterable[int] | int | None = None) -> Any:
         """Fetch a variable from every rank's namespace: a list by rank (dict with `ranks`)."""
@@ -225,16 +198,16 @@ class Pool:
         if not isinstance(name, str) or not name.isidentifier():
             raise PoolValueError(f"pull: {name!r} is not a variable name")
         targets = self._check_ranks(ranks)
-        found = self._call(worker.get_var, (name,), {}, targets, None, False)
+        found = self._call(calls.Plan(protocol.GET_VAR, (name,), {}, targets, self.timeout))
         missing = [r for r in targets if not found[r][0]]
         if missing:
             have = [r for r in targets if found[r][0]]
             verb = "has" if len(have) == 1 else "have"
             where = f" ({ranks_text(have)} {verb} it)" if have else ""
             raise PoolNameError(f"pull({name!r}): {ranks_text(missing)} "
-                            f"{'has' if len(missing) == 1 else 'have'} no variable "
-                            f"{name!r}{where}. Define it in a %%ranks cell or with "
-                            f"pool.push({name}=...).")
+                                f"{'has' if len(missing) == 1 else 'have'} no variable "
+                                f"{name!r}{where}. Define it in a %%ranks cell or with "
+                                f"pool.push({name}=...).")
         values = {r: found[r][1] for r in targets}
         return values if ranks is not None else [values[r] for r in targets]
 
@@ -245,14 +218,15 @@ class Pool:
         """Run Python source in each rank's namespace (what the `%%ranks` magic calls)."""
         __tracebackhide__ = True
         sources = {filename: (display_name or filename, full_text or source)}
-        self._call(worker.exec_cell, (source, filename, first_line), {},
-                   self._check_ranks(ranks), timeout, stream, extra_sources=sources)
+        self._call(calls.Plan(protocol.EXEC_CELL, (source, filename, first_line), {},
+                              self._check_ranks(ranks), self._timeout_of(timeout), stream,
+                              sources=sources))
 
     def restart(self) -> None:
         """Kill the ranks and start fresh ones (variables are lost; the group is new)."""
         with self._lock:
             self._ensure_open()
-            self._kill()
+            self._procs.kill()
             self._start()
 
     def shutdown(self) -> None:
@@ -261,18 +235,16 @@ class Pool:
             if self._closed:
                 return
             self._closed = True
-            for rank in self._ranks:
+            ranks = self._procs.ranks
+            for rank in ranks:
                 with contextlib.suppress(OSError):
-                    rank.conn.send_bytes(pickle.dumps(("exit", 0, b"")))
-            deadline = time.monotonic() + 2.0
-            for rank in self._ranks:  # a clean exit lets the ranks tear down their groups
+                    rank.conn.send_bytes(protocol.request(protocol.EXIT))
+            deadline = time.monotonic() + self.timeouts.shutdown
+            for rank in ranks:  # a clean exit lets the ranks tear down their groups
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not rank.conn.poll(remaining):
                     break
-            self._kill()
-            self._selector.close()
-            if self._tmpdir:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._finalizer()
 
     def __enter__(self) -> Pool:
         return self
@@ -285,25 +257,20 @@ class Pool:
         return (f"Pool(world_size={self.world_size}, backend={self.backend!r}, "
                 f"init_method={self.init_method!r}) [{state}]")
 
-    # --- starting and stopping ranks ---
+    # --- starting ---
 
     def _start(self) -> None:
         """Fork the ranks and join their process group; transient failures are retried."""
         for attempt in range(3):
-            self._generation += 1
-            rendezvous = self._rendezvous()
-            try:
-                self._fork_ranks(rendezvous)
-            except BaseException:
-                self._kill()
-                raise
+            self._procs.start()
             if self.init_method is None:
                 return
-            outcome = self._exchange(worker.init_process_group, (), {},
-                                     list(range(self.world_size)), self._timeout, False, {})
+            outcome = calls.run(self._procs, calls.Plan(
+                protocol.INIT_PROCESS_GROUP, (), {}, list(range(self.world_size)),
+                self.timeout), self.timeouts)
             if not (outcome.failures or outcome.stuck or outcome.interrupted):
                 return
-            self._kill()
+            self._procs.kill()
             text = " ".join(f.message for f in outcome.failures.values()).lower()
             if attempt < 2 and any(sign in text for sign in _TRANSIENT):
                 continue
@@ -311,235 +278,55 @@ class Pool:
                 raise KeyboardInterrupt
             raise RankError(outcome.failures, outcome.stuck, restarted=False,
                             reason=f"The process group ({self.backend}, init_method="
-                                   f"{self.init_method!r}) could not be initialized.")
-
-    def _rendezvous(self) -> dict:
-        port = launch.free_port()
-        if self.init_method == "tcp":
-            return {"port": port, "url": f"tcp://127.0.0.1:{port}"}
-        if self.init_method == "file":
-            path = os.path.join(self._tmpdir, f"rendezvous-{self._generation}")
-            return {"port": port, "url": f"file://{path}"}
-        return {"port": port, "url": "env://"}
-
-    def _fork_ranks(self, rendezvous: dict) -> None:
-        server = forkserver.get()
-        base_env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
-        for index in range(self.world_size):
-            cmd, cmd_theirs = socket.socketpair()
-            ctl, ctl_theirs = socket.socketpair()
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            spec = {
-                "rank": index, "local_rank": index, "world_size": self.world_size,
-                "backend": self.backend, "init_method": self.init_method,
-                "init_url": rendezvous["url"], "pg_timeout": self._timeout,
-                "threads": self.threads, "cwd": os.getcwd(), "sys_path": list(sys.path),
-                "env": launch.pool_rank_env(base_env, index, self.world_size,
-                                            rendezvous["port"]),
-            }
-            try:
-                pid = server.fork(spec, [cmd_theirs.fileno(), ctl_theirs.fileno(),
-                                         out_w, err_w])
-            finally:
-                cmd_theirs.close()
-                ctl_theirs.close()
-                os.close(out_w)
-                os.close(err_w)
-            rank = _Rank(index, pid, Connection(cmd.detach()), Connection(ctl.detach()),
-                         out_r, err_r, set())
-            self._ranks.append(rank)
-            self._pids.append(pid)
-            self._output.add(index, out_r, err_r)
-            self._selector.register(rank.conn, selectors.EVENT_READ, ("result", index))
-            for fd in (out_r, err_r):
-                self._selector.register(fd, selectors.EVENT_READ, ("output", index))
-
-    def _kill(self) -> None:
-        """SIGKILL every rank (and what it started), keep what they printed, free fds."""
-        _kill_groups(self._pids)
-        self._drain(1.0)
-        for rank in self._ranks:
-            for fd in (rank.conn.fileno(), rank.stdout_fd, rank.stderr_fd):
-                with contextlib.suppress(KeyError, ValueError):
-                    self._selector.unregister(fd)
-            rank.conn.close()
-            rank.ctl.close()
-        self._output.close_all()
-        self._output = OutputRouter()
-        server = forkserver.running()  # never start one just to tidy up
-        if server is not None:
-            server.forget(self._pids)
-        self._ranks.clear()
-        self._pids.clear()
-        if self._tmpdir:
-            for name in os.listdir(self._tmpdir):
-                os.unlink(os.path.join(self._tmpdir, name))
-
-    def _drain(self, seconds: float) -> None:
-        """Read the ranks' output until their pipes close or `seconds` pass."""
-        deadline = time.monotonic() + seconds
-        while (fds := self._output.fds()) and (remaining := deadline - time.monotonic()) > 0:
-            for fd in select.select(fds, [], [], remaining)[0]:
-                self._output.read(fd)
+                                   f"{self.init_method!r}) could not be initialized.",
+                            simultaneous=self.timeouts.simultaneous)
 
     # --- one call ---
 
-    def _call(self, fn: Callable, args: tuple, kwargs: dict, targets: list[int],
-              timeout: float | None, stream: bool, extra_sources: dict | None = None,
-              on_event: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
-        """Run fn on the target ranks; raise if any failed, rebuilding a broken pool first."""
+    def _call(self, plan: calls.Plan) -> dict[int, Any]:
+        """Run a call on its target ranks; raise if any failed, rebuilding a broken pool first."""
         __tracebackhide__ = True
-        timeout = self._timeout if timeout is None else self._check_timeout(timeout)
         with self._lock:
             self._ensure_open()
-            if not self._ranks:  # a rebuild was interrupted or failed: try again now
+            if not self._procs.ranks:  # a rebuild was interrupted or failed: try again now
                 self._start()
-            outcome = self._exchange(fn, args, kwargs, targets, timeout, stream,
-                                     extra_sources or {}, on_event)
+            outcome = calls.run(self._procs, plan, self.timeouts, self.all_threads)
             if outcome.broken:
-                self._kill()
+                self._procs.kill()
                 self._start()
             if outcome.interrupted:
                 print("Interrupted: the ranks were stopped and the pool restarted "
                       "(their variables are reset).", file=sys.stderr)
                 raise KeyboardInterrupt
             if outcome.failures or outcome.stuck:
-                raise self._error(outcome, timeout)
+                raise self._error(outcome, plan.timeout)
             if outcome.event_error is not None:
                 raise outcome.event_error
             return outcome.results
 
-    def _error(self, outcome: _Outcome, timeout: float) -> RankError:
+    def _error(self, outcome: calls.Outcome, timeout: float) -> RankError:
+        simultaneous = self.timeouts.simultaneous
         if outcome.failures:
             reason = ""
             if outcome.stuck:
                 reason = (f"{ranks_text(outcome.stuck)} did not finish within "
                           f"{self.error_grace:g} s of the first failure (most likely waiting "
                           "for the failed rank) and were stopped.")
-            return RankError(outcome.failures, outcome.stuck, outcome.broken, reason)
+            return RankError(outcome.failures, outcome.stuck, outcome.broken, reason,
+                             simultaneous)
         reason = (f"The call did not finish within its timeout of {timeout:g} s: "
                   f"{ranks_text(outcome.stuck)} {'was' if len(outcome.stuck) == 1 else 'were'}"
                   " still running. Pass a larger timeout= if the work is just slow.")
-        return RankTimeout({}, outcome.stuck, outcome.broken, reason)
-
-    def _payload(self, fn: Callable, args: tuple, kwargs: dict, targets: list[int],
-                 extra_sources: dict) -> bytes:
-        sources = dict(extra_sources)
-        for filename, display in _cell_names().items():
-            if any(filename not in self._ranks[r].sources_sent for r in targets):
-                entry = linecache.cache.get(filename)
-                if entry:
-                    sources[filename] = (display, "".join(entry[2]))
-        try:
-            payload = cloudpickle.dumps((fn, args, kwargs, sources))
-        except Exception as e:
-            raise PoolTypeError(f"could not send {getattr(fn, '__name__', fn)!r} and its arguments "
-                            f"to the ranks: {e}. Everything passed to a pool must be "
-                            "picklable; create objects such as locks, files or open "
-                            "connections inside the function instead.") from None
-        for r in targets:
-            self._ranks[r].sources_sent.update(sources)
-        return payload
-
-    def _exchange(self, fn, args, kwargs, targets, timeout, stream, extra_sources,
-                  on_event=None) -> _Outcome:
-        """Send one call, then gather results and output until done, failed or too late."""
-        payload = self._payload(fn, args, kwargs, targets, extra_sources)
-        call_id = next(self._call_ids)
-        message = pickle.dumps(("call", call_id, payload))
-        self._output.begin(call_id, stream)
-        outcome = _Outcome({}, {}, {}, broken=False)
-        pending = set(targets)
-        deadline = time.monotonic() + timeout
-        try:
-            for r in targets:
-                with contextlib.suppress(OSError):  # a dead rank's result channel says so
-                    self._ranks[r].conn.send_bytes(message)
-            while pending or not self._output.complete(targets):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                for key, _ in self._selector.select(remaining):
-                    kind, r = key.data
-                    if kind == "output":
-                        if not self._output.read(key.fd):
-                            self._selector.unregister(key.fd)
-                        continue
-                    if self._receive(r, call_id, outcome, on_event):
-                        pending.discard(r)
-                    if outcome.failures:
-                        deadline = min(deadline, time.monotonic() + self.error_grace)
-        except KeyboardInterrupt:
-            outcome.interrupted = True
-        outcome.broken = bool(pending) or outcome.interrupted or any(
-            f.type == "died" for f in outcome.failures.values())
-        if pending and not outcome.interrupted:
-            outcome.stuck = self._where(sorted(pending))
-        if outcome.broken:
-            _kill_groups(self._pids)
-            self._drain(1.0)  # what a dying rank printed last is often the clue
-        self._output.show()
-        return outcome
-
-    def _receive(self, r: int, call_id: int, outcome: _Outcome,
-                 on_event: Callable[[int, Any], None] | None) -> bool:
-        """Read one message from rank r; True when the rank is done with this call."""
-        rank = self._ranks[r]
-        try:
-            reply = rank.conn.recv_bytes()
-        except (EOFError, OSError):
-            seen = time.monotonic()
-            self._selector.unregister(rank.conn)
-            status = forkserver.get().wait_exit(rank.pid, timeout=2.0)
-            outcome.failures[r] = RankFailure(r, "died", describe_exit(status), "", seen)
-            return True
-        status, cid, value = pickle.loads(reply)
-        if cid != call_id:
-            return False
-        if status == "event":
-            if on_event is not None and outcome.event_error is None:
-                try:
-                    on_event(r, value)
-                except Exception as exc:  # the ranks carry on; the error is raised after
-                    outcome.event_error = exc
-            return False
-        if status == "ok":
-            outcome.results[r] = value
-        else:
-            outcome.failures[r] = RankFailure(r, value["type"], value["message"],
-                                              value["traceback"], value["time"],
-                                              value["exception"])
-        return True
-
-    def _where(self, ranks: list[int]) -> dict[int, Stuck]:
-        """Ask each unfinished rank where its main thread is; fall back to faulthandler."""
-        stuck = {}
-        for r in ranks:
-            with contextlib.suppress(OSError):
-                self._ranks[r].ctl.send("stack")
-        deadline = time.monotonic() + 1.5
-        for r in ranks:
-            ctl = self._ranks[r].ctl
-            try:
-                if ctl.poll(max(0.0, deadline - time.monotonic())):
-                    headline, stack = ctl.recv()
-                    stuck[r] = Stuck(r, headline, stack)
-                    continue
-            except (EOFError, OSError):
-                pass
-            # It holds the GIL in native code: ask faulthandler for a C-level dump instead.
-            with contextlib.suppress(OSError):
-                os.kill(self._ranks[r].pid, signal.SIGUSR1)
-            stuck[r] = Stuck(r, "not answering (busy in native code); its stack dump, if "
-                                "any, is in its stderr above", "")
-        return stuck
+        return RankTimeout({}, outcome.stuck, outcome.broken, reason, simultaneous)
 
     # --- checks ---
 
     def _ensure_open(self) -> None:
         if self._closed:
             raise PoolClosedError("this pool has been shut down; start a new one with Pool(...)")
+
+    def _timeout_of(self, timeout) -> float:
+        return self.timeout if timeout is None else self._check_timeout(timeout)
 
     def _check_ranks(self, ranks) -> list[int]:
         if ranks is None:
@@ -554,8 +341,8 @@ class Pool:
                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size]
         if bad or not targets:
             raise PoolValueError(f"ranks={ranks!r}: this pool has ranks 0..{self.world_size - 1}"
-                             + (f"; {bad} {'is' if len(bad) == 1 else 'are'} out of range"
-                                if bad else "; give at least one"))
+                                 + (f"; {bad} {'is' if len(bad) == 1 else 'are'} out of range"
+                                    if bad else "; give at least one"))
         if len(set(targets)) != len(targets):
             raise PoolValueError(f"ranks={ranks!r} names a rank twice")
         return sorted(targets)
@@ -566,40 +353,16 @@ class Pool:
             raise PoolValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         return float(timeout)
 
-
-@contextlib.contextmanager
-def quiet_pool(world_size: int, **kwargs):
-    """A short-lived pool whose ranks' output is not shown, for checks and probes.
-
-    Exercise checkers and `ddplab doctor` run code the learner did not write in this cell;
-    their own pool keeps the learner's ranks (and variables) untouched, and only their
-    verdict, not the ranks' chatter, belongs in the cell.
-    """
-    sink = io.StringIO()
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
-            Pool(world_size, **kwargs) as pool:
-        yield pool
-
-
-def _cell_names() -> dict[str, str]:
-    """IPython's cell filenames -> "Cell In[N]", so ranks name cells as IPython does."""
-    ip = _ipython()
-    if ip is None:
-        return {}
-    return {name: f"Cell In[{n}]" for name, n in ip.compile._filename_map.items()}
-
-
-def _ipython():
-    if "IPython" not in sys.modules:
-        return None
-    from IPython import get_ipython
-
-    return get_ipython()
-
-
-def _enable_magics() -> None:
-    ip = _ipython()
-    if ip is not None:
-        from ddplab.magics import register
-
-        register(ip)
+    @staticmethod
+    def _check_env(env) -> dict[str, str]:
+        if env is None:
+            return {}
+        if not isinstance(env, Mapping):
+            raise PoolTypeError(f"env must be a dict of variable names to strings, not {env!r}")
+        bad = {k: v for k, v in env.items() if not isinstance(k, str) or not k
+               or "=" in k or not isinstance(v, str)}
+        if bad:
+            raise PoolValueError(f"env={bad!r}: names and values must be strings (a name "
+                                 "without '='); write numbers as strings, e.g. {'NCCL_DEBUG': "
+                                 "'INFO', 'GLOO_SOCKET_IFNAME': 'lo'}")
+        return dict(env)

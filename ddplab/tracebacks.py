@@ -19,6 +19,8 @@ import threading
 import traceback
 from collections.abc import Iterable, Mapping
 
+from ddplab.errors import Frame, ThreadStack
+
 # Files whose frames are ddplab's plumbing, never the learner's code.
 _INTERNAL = {
     os.path.join(os.path.dirname(__file__), name)
@@ -100,28 +102,52 @@ def format_exception(exc: BaseException) -> str:
     return "".join(te.format())
 
 
-def describe_stack(frame) -> tuple[str, str]:
-    """(headline, formatted frames) for where a running thread is right now.
+def _frame(f: traceback.FrameSummary) -> Frame:
+    code = linecache.getline(f.filename, f.lineno or 0).strip() or (f.line or "")
+    return Frame(display_path(f.filename), f.lineno or 0, f.name, code)
 
-    The headline names the innermost Python function the thread is in, when that is
-    library code ("waiting in recv() of torch/distributed/distributed_c10d.py"), or says
-    it is running the learner's own code; the frames shown are the learner's only.
+
+def thread_stack(frame, name: str = "MainThread") -> ThreadStack:
+    """Where a running thread is right now, as structured frames.
+
+    The learner's frames are kept, outermost first; of the library code they called only
+    the innermost frame is kept, as `waiting_in` ("waiting in recv() of
+    torch/distributed/distributed_c10d.py"). With no learner's frame at all (a thread the
+    library started), every frame below ddplab's machinery is kept.
     """
     frames = _after_internal(traceback.extract_stack(frame))
     last_user = max((i for i, f in enumerate(frames) if is_user_frame(f.filename)), default=None)
     shown = frames if last_user is None else frames[: last_user + 1]
-    if last_user is not None and last_user == len(frames) - 1:
-        headline = "running its own code"
-    else:
-        inner = frames[-1] if frames else None
-        headline = (f"waiting in {inner.name}() of {display_path(inner.filename)}"
-                    if inner else "not running Python code")
-    return headline, "".join(_clean(shown).format())
+    inner = frames[-1] if frames and last_user != len(frames) - 1 else None
+    return ThreadStack(name, [_frame(f) for f in shown], _frame(inner) if inner else None)
 
 
-def current_main_stack() -> tuple[str, str]:
-    """describe_stack for this process's main thread (called from another thread)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    if frame is None:
-        return "not running Python code", ""
-    return describe_stack(frame)
+def current_stacks() -> list[ThreadStack]:
+    """Every Python thread of this process but ddplab's own, the main thread first.
+
+    Called from the rank's control thread while the main thread may be blocked.
+    """
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    stacks = []
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
+        name = names.get(ident, f"thread {ident}")
+        if ident == threading.get_ident() or name.startswith("ddplab-"):
+            continue
+        stacks.append(thread_stack(frame, name))
+    return stacks
+
+
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """`warnings.formatwarning` that names a cell as tracebacks do: "Cell In[4], line 5".
+
+    Python's own format names the file a cell's code was compiled from, which is the
+    kernel's temporary file (/tmp/ipykernel_<pid>/<hash>.py); library files lose this
+    machine's install path, as in tracebacks.
+    """
+    if line is None:
+        line = linecache.getline(filename, lineno).strip()
+    name = display_path(filename)
+    where = f"{name}, line {lineno}" if filename in cell_names else f"{name}:{lineno}"
+    text = f"{where}: {category.__name__}: {message}\n"
+    return text + (f"  {line.strip()}\n" if line and line.strip() else "")

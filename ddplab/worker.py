@@ -13,7 +13,7 @@ rank printed is shown in the cell that ran the code, and never in the next one.
 
 Everything the notebook sends is a function call: `%%ranks` cells, `push` and `pull` are
 calls to the small functions at the bottom of this file, which work on the rank's
-persistent namespace.
+persistent namespace. The messages themselves are spelled out in `protocol.py`.
 """
 
 from __future__ import annotations
@@ -34,16 +34,15 @@ import sys
 import threading
 import time
 import types
+import warnings
 from multiprocessing.connection import Connection
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ddplab import launch, tracebacks
-
-MARK = b"\x00ddplab-end:%d\x00"
-"""End-of-call marker written to stdout and stderr; never shown to the learner."""
+from ddplab import launch, protocol, tracebacks
+from ddplab.errors import RankFailure
 
 namespace: dict = {}
 """The rank's persistent namespace: `%%ranks` cells run in it, push/pull use it."""
@@ -99,8 +98,10 @@ def _answer_control(ctl: Connection) -> None:
                 request = ctl.recv()
             except (EOFError, OSError):
                 return
-            if request == "stack":
-                ctl.send(tracebacks.current_main_stack())
+            if request == protocol.STACKS:
+                # Busy or not: a rank that finished just as its deadline passed has sent
+                # its reply, and its main thread is back in this module's loop.
+                ctl.send((_call.get("id") is not None, tracebacks.current_stacks()))
 
     threading.Thread(target=serve, name="ddplab-control", daemon=True).start()
 
@@ -149,6 +150,7 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
     sys.path[:] = spec["sys_path"]
     faulthandler.enable(file=sys.stderr, all_threads=False)  # the crashing thread only
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
+    warnings.formatwarning = tracebacks.format_warning  # "Cell In[4], line 5: ..."
     torch.set_num_threads(spec["threads"])
     # A forked process inherits the server's random state; a rank should not.
     torch.seed()
@@ -172,8 +174,8 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
             request = conn.recv_bytes()
         except (EOFError, OSError):
             return 0
-        op, call_id, payload = pickle.loads(request)
-        if op == "exit":
+        op, call_id, payload = protocol.decode(request)
+        if op == protocol.EXIT:
             if dist.is_initialized():
                 dist.destroy_process_group()
             return 0
@@ -202,31 +204,32 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
-def _failure(exc: BaseException, started: float, note: str = "") -> dict:
+def _failure(exc: BaseException, started: float, note: str = "") -> RankFailure:
     try:
         pickled = pickle.dumps(exc)
     except Exception:
         pickled = None
     text = tracebacks.format_exception(exc)
-    return {"type": type(exc).__name__, "message": str(exc),
-            "traceback": text + (f"\n{note}\n" if note else ""),
-            "time": time.monotonic(), "started": started, "exception": pickled}
+    return RankFailure(_spec["rank"], type(exc).__name__, str(exc),
+                       text + (f"\n{note}\n" if note else ""), time.monotonic(), pickled,
+                       started=started)
 
 
 def _run(call_id: int, payload: bytes) -> bytes:
     started = time.monotonic()
     try:
-        fn, args, kwargs, sources = cloudpickle.loads(payload)
-        tracebacks.install_sources(sources)
-        result = fn(*args, **kwargs)
+        call: protocol.Call = cloudpickle.loads(payload)
+        tracebacks.install_sources(call.sources)
+        fn = call.fn.resolve() if isinstance(call.fn, protocol.Ref) else call.fn
+        result = fn(*call.args, **call.kwargs)
     except BaseException as exc:  # a rank reports everything, even SystemExit
-        return pickle.dumps(("err", call_id, _failure(exc, started)))
+        return protocol.reply(protocol.ERR, call_id, _failure(exc, started))
     try:
-        return _dumps(("ok", call_id, result))
+        return protocol.reply(protocol.OK, call_id, result, dumps=_dumps)
     except Exception as exc:
         note = (f"The value returned by rank {_spec['rank']} could not be sent back to the "
                 "notebook (it must be picklable). Return plain data or tensors instead.")
-        return pickle.dumps(("err", call_id, _failure(exc, started, note)))
+        return protocol.reply(protocol.ERR, call_id, _failure(exc, started, note))
 
 
 def _end_of_call(call_id: int) -> None:
@@ -236,7 +239,7 @@ def _end_of_call(call_id: int) -> None:
             stream.flush()
     if _libc is not None:
         _libc.fflush(None)  # C code's printf buffers
-    marker = MARK % call_id
+    marker = protocol.marker(call_id)
     for fd in (1, 2):
         with contextlib.suppress(OSError):
             os.write(fd, marker)
@@ -256,7 +259,7 @@ def emit(value) -> None:
         # it shares the channel, and its bytes would break the rank's messages.
         if _call.get("id") is None or _call.get("pid") != os.getpid():
             return
-        _call["conn"].send_bytes(_dumps(("event", _call["id"], value)))
+        _call["conn"].send_bytes(protocol.reply(protocol.EVENT, _call["id"], value, _dumps))
 
 
 # --- the calls the notebook makes by name ---

@@ -143,6 +143,31 @@ def test_a_hang_in_a_cell_reports_the_cell_line(kernel):
     assert kernel.value("pool.run(lambda: 2)") == [2, 2]
 
 
+def test_warnings_raised_on_the_ranks_name_the_cell(kernel):
+    """Tutorial code still uses the deprecated `dist.reduce_op`: its warning names the cell."""
+    reply = kernel.run("def old_style():\n    import torch.distributed as dist\n\n"
+                       "    return str(dist.reduce_op.SUM)\npool.run(old_style, ranks=[0])")
+    assert reply.error is None, reply.error
+    number = kernel.value("get_ipython().execution_count") - 1 - 1
+    assert reply.stderr.startswith(f"[rank 0]\nCell In[{number}], line 4: FutureWarning: "
+                                   "`torch.distributed.reduce_op` is deprecated"), reply.stderr
+    assert "\n  return str(dist.reduce_op.SUM)\n" in reply.stderr
+    assert "ipykernel" not in reply.stderr
+
+
+def test_re_running_a_pool_cell_all_day_keeps_no_descriptor():
+    k = Kernel()
+    try:
+        assert k.run("from ddplab import Pool\npool = Pool(2)").error is None
+        count = "import os\nlen(os.listdir('/proc/self/fd'))"
+        before = k.value(count)
+        for _ in range(30):  # as a learner re-runs the cell, without shutdown()
+            assert k.run("pool = Pool(2)").error is None
+        assert k.value(count) <= before
+    finally:
+        k.stop()
+
+
 def test_pictures_show_as_png_without_pyplot_or_a_magic(kernel):
     reply = kernel.run("from ddplab import viz\nviz.show_ranks(pool.run(lambda: [1, 2]))")
     assert reply.error is None, reply.error

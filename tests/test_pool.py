@@ -7,7 +7,10 @@ test_kernel.py, through a real Jupyter kernel.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -231,7 +234,7 @@ def test_a_dying_rank_is_reported_and_the_pool_recovers(crash, expected, capfd):
 
 def test_shutdown_leaves_no_process_and_no_file():
     p = Pool(2, init_method="file")
-    pids, tmpdir = p.pids, p._tmpdir
+    pids, tmpdir = p.pids, p._procs.tmpdir
     assert os.path.isdir(tmpdir) and oct(os.stat(tmpdir).st_mode)[-3:] == "700"
     p.shutdown()
     p.shutdown()  # twice is fine
@@ -403,3 +406,158 @@ def test_emit_outside_a_pool_call_does_nothing():
     from ddplab.worker import emit
 
     emit("nobody listens")
+
+
+# --- 12. a workshop day: re-run cells, debug switches, clearer reports ---
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _bookkeeping_settles(server, within: float = 5.0) -> bool:
+    """The forkserver's records of killed ranks empty out once their exits are reported."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not server.busy() and not server.exits and not server._forgotten:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_dropping_pools_without_shutdown_leaks_nothing():
+    """What re-running a `pool = Pool(2)` cell does, 30 times over."""
+    with Pool(2):  # the forkserver is up and the imports are done before counting
+        pass
+    server = forkserver.running()
+    assert _bookkeeping_settles(server)
+    before, pids = _open_fds(), []
+    for _ in range(30):
+        pool = Pool(2)
+        pids += pool.pids
+    del pool
+    assert gone(pids)
+    assert _open_fds() <= before
+    assert _bookkeeping_settles(server)
+
+
+def _debug_settings():
+    names = ("NCCL_DEBUG", "GLOO_SOCKET_IFNAME", "TORCH_FR_DUMP_TEMP_FILE")
+    return str(dist.get_debug_level()).split(".")[-1], {k: os.environ.get(k) for k in names}
+
+
+def test_debug_switches_set_before_a_pool_reach_its_ranks(monkeypatch, capfd):
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # torch reads it at import
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    with Pool(2) as p:
+        assert p.run(_debug_settings) == [("DETAIL", {"NCCL_DEBUG": "INFO",
+                                                       "GLOO_SOCKET_IFNAME": None,
+                                                       "TORCH_FR_DUMP_TEMP_FILE": None})] * 2
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    monkeypatch.delenv("NCCL_DEBUG")
+    per_pool = {"TORCH_DISTRIBUTED_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "lo",
+                "TORCH_FR_DUMP_TEMP_FILE": "/tmp/fr-", "TORCH_CPP_LOG_LEVEL": "INFO"}
+    with Pool(2, env=per_pool) as p:
+        assert p.run(_debug_settings)[0] == ("INFO", {"NCCL_DEBUG": None,
+                                                      "GLOO_SOCKET_IFNAME": "lo",
+                                                      "TORCH_FR_DUMP_TEMP_FILE": "/tmp/fr-"})
+        capfd.readouterr()
+        p.run(dist.barrier)
+        assert "[I " not in capfd.readouterr().err  # a call with nothing to log
+    with Pool(2) as p:  # the kernel's own setting again
+        assert p.run(_debug_settings)[0][0] == "OFF"
+
+
+def test_c10d_logs_switched_on_for_one_pool_reach_the_cell(capfd):
+    with Pool(2, env={"TORCH_CPP_LOG_LEVEL": "INFO"}) as p:
+        p.run(int)  # the group was created at start; its logs came with the first call
+    err = capfd.readouterr().err
+    assert re.search(r"^\[I [\w.]+:\d+\] \[c10d\]", err, re.MULTILINE), err
+
+
+def _mismatched_send_recv():
+    if dist.get_rank() == 0:
+        dist.send(torch.ones(8), dst=1)
+    else:
+        dist.recv(torch.zeros(2), src=0)  # too small: gloo aborts this rank
+
+
+def test_a_rank_aborted_by_gloo_gets_a_hint_naming_the_cause_and_the_switch():
+    with Pool(2, timeout=30) as p:
+        p.error_grace = 0.5
+        with pytest.raises(RankError) as info:
+            p.run(_mismatched_send_recv)
+    err = info.value
+    assert err.root_cause == 1 and "SIGABRT" in err.failures[1].message
+    assert "disagree about a message" in err.failures[1].hint
+    assert "Hint: gloo aborts a rank" in str(err) and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in str(err)
+
+
+def test_simultaneous_is_judged_from_each_ranks_own_start_of_the_call():
+    from ddplab.errors import RankFailure
+
+    # The call reached rank 1 0.9 s after rank 0 (a loaded machine): both failed 10 ms
+    # into their own call, which is "at the same time".
+    late = {0: RankFailure(0, "ValueError", "x", "", time=100.01, started=100.0),
+            1: RankFailure(1, "ValueError", "x", "", time=100.91, started=100.9)}
+    assert (RankError(late, {}, False).root_cause, RankError(late, {}, False).simultaneous) \
+        == (0, [1])
+    # Rank 1 failed 10 ms in, rank 0 two seconds in: rank 1 was first, whatever the clock.
+    apart = {0: RankFailure(0, "ValueError", "x", "", time=102.0, started=100.0),
+             1: RankFailure(1, "ValueError", "x", "", time=102.5, started=102.49)}
+    assert (RankError(apart, {}, False).root_cause, RankError(apart, {}, False).simultaneous) \
+        == (1, [])
+
+
+def _wait_with_a_helper_thread():
+    threading.Thread(target=threading.Event().wait, name="loader", daemon=True).start()
+    if dist.get_rank() == 0:
+        dist.barrier()  # rank 1 never comes
+    return 1
+
+
+BARRIER_LINE = _wait_with_a_helper_thread.__code__.co_firstlineno + 3
+
+
+@pytest.mark.parametrize("all_threads", [False, True])
+def test_a_hang_report_is_structured_and_can_show_every_thread(all_threads):
+    with Pool(2, timeout=30, all_threads=all_threads) as p, \
+            pytest.raises(RankTimeout) as info:
+        p.run(_wait_with_a_helper_thread, timeout=2)
+    stuck = info.value.stuck[0]
+    assert list(info.value.stuck) == [0]
+    assert (stuck.rank, stuck.function, stuck.file, stuck.line) == \
+        (0, "barrier", "tests/test_pool.py", BARRIER_LINE)
+    names = [t.name for t in stuck.threads]
+    assert names == (["MainThread", "loader"] if all_threads else ["MainThread"])
+    assert ("thread 'loader': waiting in wait() of threading.py" in str(info.value)) \
+        == all_threads
+
+
+def _warn():
+    import warnings
+
+    warnings.warn("mind the gap", UserWarning, stacklevel=1)
+
+
+def test_warnings_on_the_ranks_name_files_without_this_machines_paths(pool, capfd):
+    pool.run(_warn, ranks=[0])
+    err = capfd.readouterr().err
+    line = _warn.__code__.co_firstlineno + 3
+    assert f"tests/test_pool.py:{line}: UserWarning: mind the gap" in err
+    assert os.path.dirname(os.path.dirname(__file__)) not in err
+
+
+def test_the_kernel_side_imports_neither_torch_nor_ipython_glue_it_does_not_need():
+    code = ("import sys\n"
+            "import ddplab.pool\n"
+            "assert 'ddplab.magics' not in sys.modules, 'pool imports magics'\n"
+            "import ddplab.output\n"
+            "from ddplab import Pool\n"
+            "with Pool(2) as p:\n"
+            "    assert p.run(int) == [0, 0]\n"
+            "    p.exec_cell('x = rank'); p.push(y=1); assert p.pull('x') == [0, 1]\n"
+            "heavy = sorted(m for m in ('torch', 'ddplab.worker', 'IPython') if m in sys.modules)\n"
+            "print(heavy)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out.strip() == "[]"

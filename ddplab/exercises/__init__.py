@@ -105,14 +105,14 @@ def check(id: str, attempt: Callable) -> Feedback:
 
 
 def ranks(world_size: int, **kwargs):
-    """A pool of the size a checker needs, quiet and short-lived (see `quiet_pool`).
+    """A pool of the size a checker needs, quiet and short-lived (use it in a `with`).
 
     The checker's pool is separate from the learner's, so a check never disturbs the
     variables of the learner's ranks; its output is not shown (the verdict says it all).
     """
-    from ddplab.pool import quiet_pool
+    from ddplab.pool import Pool
 
-    return quiet_pool(world_size, **kwargs)
+    return Pool(world_size, quiet=True, **kwargs)
 
 
 def run_in_time(pool, fn: Callable, *args, meaning: str, hint: str,
@@ -126,9 +126,9 @@ def run_in_time(pool, fn: Callable, *args, meaning: str, hint: str,
     try:
         return pool.run(fn, *args, timeout=deadline)
     except RankTimeout as err:
-        places = sorted({stuck.headline.split(" of ")[0] for stuck in err.stuck.values()})
-        if places and all(place.startswith("waiting in ") for place in places):
-            where = "waiting in " + " or ".join(p.removeprefix("waiting in ") for p in places)
+        waits = [s.main.waiting_in for s in err.stuck.values() if s.main is not None]
+        if waits and len(waits) == len(err.stuck) and all(waits):
+            where = "waiting in " + " or ".join(sorted({f"{w.function}()" for w in waits}))
         else:
             where = "running"
         raise NotYet(f"your function did not finish within {deadline:g} s: "
