@@ -29,6 +29,18 @@ from ddplab.timeouts import Timeouts
 
 _call_ids = itertools.count(1)
 
+# What gloo says when it has given up on its connections: the process group cannot carry
+# another collective (every later one fails with "Application timeout caused pair
+# closure"), so the pool must start a new one, as after a hang.
+GROUP_BROKEN = ("timed out waiting", "application timeout caused pair closure",
+                "connection reset by peer", "connection closed by peer")
+
+
+def breaks_group(failure: RankFailure) -> bool:
+    """Did this failure leave the rank's process group unusable?"""
+    text = failure.message.lower()
+    return failure.type == "died" or any(sign in text for sign in GROUP_BROKEN)
+
 
 @dataclass
 class Outcome:
@@ -40,6 +52,7 @@ class Outcome:
     broken: bool = False  # ranks were killed: the process group cannot be trusted again
     interrupted: bool = False
     event_error: BaseException | None = None  # raised by the on_event callback
+    flight: dict[int, str] = field(default_factory=dict)  # rank -> flight recorder dump
 
 
 @dataclass
@@ -93,8 +106,10 @@ def run(procs: Processes, call: Plan, timeouts: Timeouts, all_threads: bool = Fa
                 and _receive(procs, r, call_id, call, outcome, started, timeouts)]
         pending.difference_update(late)
         _finish_output(procs, late, timeouts.drain)
+        if outcome.stuck and procs.setup.init_method is not None:
+            outcome.flight = flight_records(procs, call.targets, timeouts)
     outcome.broken = bool(pending) or outcome.interrupted or any(
-        f.type == "died" for f in outcome.failures.values())
+        breaks_group(f) for f in outcome.failures.values())
     if outcome.broken:
         kill_groups(procs.pids)
         procs.drain(timeouts.drain)  # what a dying rank printed last is often the clue
@@ -142,7 +157,8 @@ def _receive(procs: Processes, r: int, call_id: int, call: Plan, outcome: Outcom
         seen = time.monotonic()
         procs.selector.unregister(rank.conn)
         status = procs.wait_exit(rank.pid, timeouts.exit_status)
-        outcome.failures[r] = died(r, status, procs.setup.backend, seen, started)
+        debug = procs.environment().get("TORCH_DISTRIBUTED_DEBUG", "")
+        outcome.failures[r] = died(r, status, procs.setup.backend, seen, started, debug)
         return True
     kind, cid, body = protocol.decode(data)
     if cid != call_id:
@@ -159,6 +175,27 @@ def _receive(procs: Processes, r: int, call_id: int, call: Plan, outcome: Outcom
     else:
         outcome.failures[r] = body
     return True
+
+
+def flight_records(procs: Processes, ranks: list[int], timeouts: Timeouts) -> dict[int, str]:
+    """Each rank's flight recorder dump, taken before the ranks are stopped.
+
+    All ranks of the call are asked, stuck or not: which collectives the finished ones
+    issued is half of the story. A rank that does not answer in time is left out.
+    """
+    for r in ranks:
+        with contextlib.suppress(OSError):
+            procs.ranks[r].ctl.send(protocol.FLIGHT)
+    records = {}
+    deadline = time.monotonic() + timeouts.stacks
+    for r in ranks:
+        ctl = procs.ranks[r].ctl
+        with contextlib.suppress(EOFError, OSError):
+            if ctl.poll(max(0.0, deadline - time.monotonic())):
+                dump = ctl.recv()  # (a late answer about stacks is not a dump)
+                if isinstance(dump, (bytes, str)) and dump:
+                    records[r] = dump.decode() if isinstance(dump, bytes) else dump
+    return records
 
 
 def where(procs: Processes, ranks: list[int], timeouts: Timeouts,

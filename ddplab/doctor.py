@@ -11,6 +11,10 @@ checks the answer each rank got, not just that nothing raised.
 
 or `ddplab doctor` in a terminal. Nothing is probed at import time.
 
+A last part probes the debug switches that are known to crash in some torch releases
+(DistributedDataParallel built under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo), so the
+report says whether *this* torch has the bug.
+
 A cell of the matrix says: ✓ works, ✗ fails (with the error's first line), gives a wrong
 answer (with what came back) or does not answer in time, or – not probed (with the reason).
 Long texts go to numbered notes under the table, so the table stays narrow.
@@ -646,6 +650,59 @@ class Text(str):
         return str(self)
 
 
+# --- debug switches known to crash ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SwitchCheck:
+    """One debug switch tried on real ranks: does the thing it is used for still work?"""
+
+    setting: str  # "TORCH_DISTRIBUTED_DEBUG=DETAIL"
+    what: str  # "DistributedDataParallel on gloo/cpu"
+    works: bool
+    detail: str  # what happened
+
+    def __str__(self) -> str:
+        return f"{'✓' if self.works else '✗'} {self.setting}, {self.what}: {self.detail}"
+
+
+def _build_ddp() -> int:
+    """On a rank: build a DistributedDataParallel model and run one step."""
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    model(torch.ones(1, 2)).sum().backward()
+    return 0
+
+
+def probe_switches(world_size: int = 2, timeout: float = 30.0) -> list[SwitchCheck]:
+    """Build DDP on gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL, on a pool of its own.
+
+    In torch 2.13 this crashes every rank with SIGSEGV (the kit's pools warn about it);
+    a torch that fixed it shows ✓ here.
+    """
+    from ddplab.pool import Pool
+
+    setting = "TORCH_DISTRIBUTED_DEBUG=DETAIL"
+    with Pool(world_size, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, quiet=True,
+              timeout=timeout) as pool:
+        pool.error_grace = _ERROR_GRACE
+        try:
+            pool.run(_build_ddp)
+        except RankError as err:
+            return [SwitchCheck(setting, "DistributedDataParallel on gloo/cpu", False,
+                                _failure_text(err))]
+    return [SwitchCheck(setting, "DistributedDataParallel on gloo/cpu", True,
+                        "builds and trains")]
+
+
+class Checks(list[SwitchCheck]):
+    """The switch checks, printed one per line."""
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self)) if self else "(not probed)"
+
+    __repr__ = __str__
+
+
 @dataclass(repr=False)
 class Report:
     """What `report()` found. Each part prints on its own.
@@ -657,6 +714,7 @@ class Report:
     environment: Environment
     matrix: SupportMatrix
     differences: Differences
+    switches: Checks = field(default_factory=Checks)
 
     @property
     def beside_docs(self) -> Text:
@@ -667,21 +725,27 @@ class Report:
             "Environment", "", str(self.environment), "",
             "Support matrix", "", str(self.matrix), "",
             "Where this machine and the torch.distributed documentation disagree", "",
-            str(self.differences),
+            str(self.differences), "",
+            "Debug switches, probed live", "", str(self.switches),
         ])
 
     __repr__ = __str__
 
 
 def report(backends: Iterable[str] | None = None, ops: Iterable[str | Op] | None = None,
-           world_size: int = 2, timeout: float = 5.0, show_output: bool = False) -> Report:
-    """Describe this machine, probe it (see `probe`) and compare with the documentation."""
+           world_size: int = 2, timeout: float = 5.0, show_output: bool = False,
+           switches: bool = True) -> Report:
+    """Describe this machine, probe it (see `probe`), compare with the documentation, and
+    try the debug switches known to crash (see `probe_switches`; `switches=False` skips
+    it, which saves starting a second forkserver)."""
     env = environment()
     matrix = probe(backends=backends, ops=ops, world_size=world_size, timeout=timeout,
                    show_output=show_output)
-    return Report(env, matrix, Differences(compare_with_docs(matrix)))
+    checks = Checks(probe_switches(world_size) if switches else [])
+    return Report(env, matrix, Differences(compare_with_docs(matrix)), checks)
 
 
-__all__ = ["BACKENDS", "DOCS_TABLE", "DOCS_TABLE_SOURCE", "OPS", "Cell", "Column",
-           "Differences", "Environment", "Op", "Report", "SupportMatrix", "beside_docs",
-           "compare_with_docs", "environment", "probe", "report", "tidy_message"]
+__all__ = ["BACKENDS", "DOCS_TABLE", "DOCS_TABLE_SOURCE", "OPS", "Cell", "Checks", "Column",
+           "Differences", "Environment", "Op", "Report", "SupportMatrix", "SwitchCheck",
+           "beside_docs", "compare_with_docs", "environment", "probe", "probe_switches",
+           "report", "tidy_message"]

@@ -73,13 +73,24 @@ GLOO_ABORT_HINT = (
     "print the shapes on both sides.")
 
 
-def died(rank: int, status: int | None, backend: str, seen: float,
-         started: float | None) -> RankFailure:
-    """The failure of a rank whose process ended, with a hint when the signal suggests one."""
+DETAIL_DDP_CRASH = (
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo: building DistributedDataParallel crashes the "
+    "ranks (SIGSEGV) in torch 2.13 (`ddplab doctor` checks your torch). DETAIL is for "
+    "checking collectives; for DDP use INFO, which also names unused parameters.")
+
+
+def died(rank: int, status: int | None, backend: str, seen: float, started: float | None,
+         debug: str = "") -> RankFailure:
+    """The failure of a rank whose process ended, with a hint when the signal suggests one.
+
+    `debug` is the ranks' TORCH_DISTRIBUTED_DEBUG.
+    """
+    sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
     hint = ""
-    if (backend == "gloo" and status is not None and os.WIFSIGNALED(status)
-            and os.WTERMSIG(status) == signal.SIGABRT):
+    if backend == "gloo" and sig == signal.SIGABRT:
         hint = GLOO_ABORT_HINT
+    elif backend == "gloo" and sig == signal.SIGSEGV and debug.upper() == "DETAIL":
+        hint = DETAIL_DDP_CRASH
     return RankFailure(rank, "died", describe_exit(status), "", seen, started=started, hint=hint)
 
 
@@ -206,16 +217,19 @@ class RankError(RuntimeError):
 
     Attributes: `failures` (rank -> RankFailure), `root_cause` (the rank that failed
     first, or None), `simultaneous` (other ranks that failed at the same moment), `stuck`
-    (rank -> Stuck for ranks that were still running) and `restarted` (True if the pool
-    rebuilt its ranks, which resets their variables).
+    (rank -> Stuck for ranks that were still running), `restarted` (True if the pool
+    rebuilt its ranks, which resets their variables) and `flight` (rank -> its flight
+    recorder dump, taken when ranks were stuck; read it with `ddplab.flight`).
     """
 
     def __init__(self, failures: dict[int, RankFailure], stuck: dict[int, Stuck],
                  restarted: bool, reason: str = "",
-                 simultaneous: float = _TIMEOUTS.simultaneous) -> None:
+                 simultaneous: float = _TIMEOUTS.simultaneous,
+                 flight: dict[int, str] | None = None) -> None:
         self.failures = dict(sorted(failures.items()))
         self.stuck = dict(sorted(stuck.items()))
         self.restarted = restarted
+        self.flight = dict(sorted((flight or {}).items()))
         self.root_cause, self.simultaneous = _root_cause(self.failures, simultaneous)
         super().__init__(self._compose(reason))
 

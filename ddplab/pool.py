@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ddplab import calls, launch, protocol
+from ddplab import calls, flight, launch, protocol
 from ddplab.errors import (
+    DETAIL_DDP_CRASH,
     PoolClosedError,
     PoolNameError,
     PoolTypeError,
@@ -128,6 +129,9 @@ class Pool:
             self._finalizer()
             raise
         _started.append(weakref.ref(self))
+        if not quiet and backend == "gloo" and self._procs.environment().get(
+                "TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+            print(f"Note: {DETAIL_DDP_CRASH}", file=sys.stderr)  # before it happens
 
     # --- public API ---
 
@@ -306,18 +310,21 @@ class Pool:
 
     def _error(self, outcome: calls.Outcome, timeout: float) -> RankError:
         simultaneous = self.timeouts.simultaneous
+        seen = flight.verdict(outcome.flight)
+        seen = f"\n{seen[0].upper()}{seen[1:]}" if seen else ""
         if outcome.failures:
             reason = ""
             if outcome.stuck:
                 reason = (f"{ranks_text(outcome.stuck)} did not finish within "
                           f"{self.error_grace:g} s of the first failure (most likely waiting "
-                          "for the failed rank) and were stopped.")
+                          "for the failed rank) and were stopped.") + seen
             return RankError(outcome.failures, outcome.stuck, outcome.broken, reason,
-                             simultaneous)
+                             simultaneous, outcome.flight)
         reason = (f"The call did not finish within its timeout of {timeout:g} s: "
                   f"{ranks_text(outcome.stuck)} {'was' if len(outcome.stuck) == 1 else 'were'}"
-                  " still running. Pass a larger timeout= if the work is just slow.")
-        return RankTimeout({}, outcome.stuck, outcome.broken, reason, simultaneous)
+                  " still running. Pass a larger timeout= if the work is just slow.") + seen
+        return RankTimeout({}, outcome.stuck, outcome.broken, reason, simultaneous,
+                           outcome.flight)
 
     # --- checks ---
 

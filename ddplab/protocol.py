@@ -10,7 +10,8 @@ A rank has four channels from the kernel (see `ranks.py` for how they are made):
                      `(EVENT, call_id, value)`    sent by `worker.emit` while the call runs
 - the **control** channel is answered by a thread of the rank, so the kernel can ask where
   a rank is while its main thread is blocked: `STACKS` -> `(busy, threads)`, whether the
-  rank is still in a call, and a list of `errors.ThreadStack`, the main thread first.
+  rank is still in a call, and a list of `errors.ThreadStack`, the main thread first;
+  `FLIGHT` -> the rank's flight recorder dump (torch's JSON text), or None.
 - **stdout** and **stderr** are pipes; after each call the rank writes `marker(call_id)`
   into both, so the kernel knows when a call's output is complete (see `output.py`).
 
@@ -26,6 +27,7 @@ from typing import Any
 CALL, EXIT = "call", "exit"
 OK, ERR, EVENT = "ok", "err", "event"
 STACKS = "stacks"
+FLIGHT = "flight"
 
 
 @dataclass(frozen=True)

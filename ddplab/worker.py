@@ -102,8 +102,22 @@ def _answer_control(ctl: Connection) -> None:
                 # Busy or not: a rank that finished just as its deadline passed has sent
                 # its reply, and its main thread is back in this module's loop.
                 ctl.send((_call.get("id") is not None, tracebacks.current_stacks()))
+            elif request == protocol.FLIGHT:
+                ctl.send(_flight_record())
 
     threading.Thread(target=serve, name="ddplab-control", daemon=True).start()
+
+
+def _flight_record() -> bytes | None:
+    """This process's flight recorder dump (see flight.py), taken while a call may hang."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+    except ImportError:  # a torch without the recorder
+        return None
+    try:
+        return _dump_fr_trace_json()
+    except Exception:
+        return None
 
 
 def _fresh_main_module() -> None:

@@ -280,3 +280,12 @@ def test_ddplab_doctor_refuses_an_unknown_backend(capsys):
     args = build_parser().parse_args(["doctor", "--backend", "gloo", "--backend", "nccl"])
     assert args.backends == ["gloo", "nccl"]
     assert doctor.BACKENDS == ("gloo", "nccl", "mpi", "ucc")
+
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"),
+                    reason="the crash is known in torch 2.13; other releases may differ")
+def test_the_ddp_crash_under_detail_is_probed_live_and_reported(capsys):
+    (check,) = doctor.probe_switches()
+    assert not check.works and "SIGSEGV" in check.detail
+    assert str(check).startswith("✗ TORCH_DISTRIBUTED_DEBUG=DETAIL, DistributedDataParallel")
+    assert capsys.readouterr().err == ""  # the probe's pool is quiet: no note, no dump

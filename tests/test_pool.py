@@ -561,3 +561,22 @@ def test_the_kernel_side_imports_neither_torch_nor_ipython_glue_it_does_not_need
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert out.strip() == "[]"
+
+
+def _build_ddp():
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"),
+                    reason="the crash is known in torch 2.13; other releases may differ")
+def test_detail_on_gloo_warns_before_ddp_crashes_and_the_crash_gets_the_hint(capfd):
+    with Pool(2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=30) as p:
+        assert "Note: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo: building " \
+               "DistributedDataParallel crashes" in capfd.readouterr().err
+        p.error_grace = 0.5
+        with pytest.raises(RankError) as info:
+            p.run(_build_ddp)
+    assert "SIGSEGV" in info.value.failures[info.value.root_cause].message
+    assert "Hint: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo" in str(info.value)
