@@ -88,3 +88,63 @@ def test_the_node_lists_of_exercise_6_3_are_what_first_host_reads():
 
     for nodelist, want in NODELISTS:
         assert first_host(nodelist) == want, nodelist
+
+
+# --- chapter 7: typical wrong attempts and the verdict each gets ---
+
+def _first_stuck_rank(err, world_size):
+    """7.1, wrong: the lowest stuck rank is usually a victim, not the culprit."""
+    rank = min(err.stuck)
+    return rank, err.stuck[rank].function
+
+
+def _logs_on_rank_0_only(loss):
+    """7.2, the broken version the chapter starts from."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        total = torch.tensor([float(loss)])
+        dist.all_reduce(total)
+        return total.item() / dist.get_world_size()
+    return None
+
+
+def _mean_everywhere(loss):
+    """7.2, half right: no deadlock, but every rank returns the mean."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(loss)])
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def _sums_agree(model):
+    """7.3, wrong: one sum per rank cannot see two values swapped."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([sum(p.detach().sum().item() for p in model.parameters())],
+                         dtype=torch.float64)
+    gathered = [torch.zeros_like(total) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, total)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+@pytest.mark.parametrize("exercise_id, attempt, message, hint", [
+    ("7.1", _first_stuck_rank, "when rank 1 skipped all_reduce, your function named rank 0",
+     "not waiting in the skipped collective"),
+    ("7.2", _logs_on_rank_0_only, "your function did not finish within 5 s: rank 0 was still "
+     "waiting in all_reduce()", "every rank must make the same collective calls"),
+    ("7.2", _mean_everywhere, "with 2 ranks, the other ranks returned {1: 1.0}", "None elsewhere"),
+    ("7.3", _sums_agree, "for two weights swapped replicas your function said True",
+     "two swapped values, is still a difference"),
+    ("7.3", lambda model: True, "for one rank nudged replicas your function said True",
+     "torch.equal"),
+])
+def test_chapter_7_wrong_attempts_get_their_own_verdict(exercise_id, attempt, message, hint):
+    feedback = check(exercise_id, attempt)
+    assert not feedback.passed
+    assert feedback.message.startswith(message), feedback.message
+    assert hint in feedback.hint, feedback.hint

@@ -1,0 +1,182 @@
+"""Chapter 7 exercises: debugging (who skipped a collective; a deadlock fixed; diverged replicas).
+
+7.1 gives the learner's function real hang reports: a rank of a real pool skips one of
+three collectives, the pool reports the hang, and the function must name the rank and
+the collective from the report's fields (or its flight recorder dumps). 7.2 and 7.3 run
+the learner's code on real ranks with a short deadline, so an attempt that deadlocks is a
+verdict within seconds, not a hung notebook. 7.3's replicas differ in ways a plain sum of
+the parameters cannot see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ddplab.errors import RankTimeout
+from ddplab.exercises import exercise, expect, ranks, run_in_time
+
+DEADLINE = 5.0
+"""Seconds an attempt may take on the ranks: correct answers take well under one."""
+
+# --- 7.1 from a report, name the rank and the collective it skipped ---
+
+COLLECTIVES = ("all_reduce", "all_gather", "barrier")
+"""What the ranks call, in this order, in 7.1's step."""
+
+SKIPS = [(1, "all_reduce"), (2, "all_gather"), (0, "barrier")]
+"""(victim, the collective it skips): a skip at the start, in the middle, and at the end
+(where the victim itself finishes and only the others are stuck)."""
+
+
+def skipping_step(victim: int, skipped: str) -> None:
+    """On a rank: three collectives, one of which `victim` skips."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(2)
+    gathered = [torch.zeros(2) for _ in range(dist.get_world_size())]
+    for name in COLLECTIVES:
+        if dist.get_rank() == victim and name == skipped:
+            continue
+        if name == "all_reduce":
+            dist.all_reduce(x)
+        elif name == "all_gather":
+            dist.all_gather(gathered, x)
+        else:
+            dist.barrier()
+
+
+def _reports(world_size: int = 3) -> list[tuple[int, str, RankTimeout]]:
+    """Real hang reports, one per case of SKIPS."""
+    reports = []
+    with ranks(world_size, timeout=30) as pool:
+        for victim, skipped in SKIPS:
+            try:
+                pool.run(skipping_step, victim, skipped, timeout=2)
+            except RankTimeout as err:
+                reports.append((victim, skipped, err))
+            else:  # pragma: no cover - a skipped collective always hangs on gloo
+                raise RuntimeError(f"rank {victim} skipping {skipped} did not hang")
+    return reports
+
+
+@exercise("7.1", "Name the rank that skipped a collective, and which", solution="who_skipped",
+          hint="err.stuck maps each rank that did not finish to where it was: "
+               "err.stuck[r].function is the collective it waits in. The ranks that were "
+               "left waiting all wait in the skipped collective; the culprit is the rank "
+               "that is not waiting in it (it went on, or even finished).")
+def check_who_skipped(who_skipped: Callable) -> str:
+    for victim, skipped, err in _reports():
+        got = who_skipped(err, 3)
+        expect(isinstance(got, tuple) and len(got) == 2,
+               f"your function returned {got!r}; it should return a tuple (rank, collective), "
+               "like (1, 'all_reduce').")
+        rank, collective = got
+        waits = {r: s.function for r, s in err.stuck.items()}
+        story = (f"(the report: {', '.join(f'rank {r} waits in {f}()' for r, f in waits.items())}"
+                 + ("" if victim in waits else f"; rank {victim} finished") + ")")
+        expect(collective == skipped,
+               f"when rank {victim} skipped {skipped}, your function named the collective "
+               f"{collective!r} {story}.",
+               "the skipped collective is the one the other ranks are left waiting in.")
+        expect(rank == victim,
+               f"when rank {victim} skipped {skipped}, your function named rank {rank!r} "
+               f"{story}.",
+               "the culprit is the rank that is not waiting in the skipped collective: it "
+               "may wait in a later one, or not be in err.stuck at all, because it finished.")
+    return (f"all {len(SKIPS)} culprits named: a skip at the start, in the middle, and at the "
+            "end, where the culprit itself finished and only its victims were stuck.")
+
+
+# --- 7.2 a deadlock: only rank 0 logs the mean loss ---
+
+LOSSES = [0.5, 1.5, 4.0, 2.0]
+"""Rank r's loss in 7.2 (the first world_size of them)."""
+
+
+def _mean_loss_on_rank(attempt: Callable) -> object:
+    import torch.distributed as dist
+
+    return attempt(LOSSES[dist.get_rank()])
+
+
+@exercise("7.2", "Log the mean loss on rank 0 without a deadlock", solution="mean_loss",
+          hint="a collective is a meeting: every rank must call it, even the ones that will "
+               "not print anything. Make the all_reduce (or a reduce to rank 0) on every "
+               "rank, and only then decide, by rank, what to return.")
+def check_mean_loss(mean_loss: Callable) -> str:
+    for world_size in (2, 3):
+        with ranks(world_size) as pool:
+            got = run_in_time(pool, _mean_loss_on_rank, mean_loss, deadline=DEADLINE,
+                              meaning="Some ranks waited in a collective that the others "
+                                      "never called: the deadlock of the broken version.",
+                              hint="every rank must make the same collective calls; "
+                                   "only the printing is rank 0's alone.")
+        want = sum(LOSSES[:world_size]) / world_size
+        expect(isinstance(got[0], (int, float)) and abs(got[0] - want) < 1e-6,
+               f"with {world_size} ranks (losses {LOSSES[:world_size]}), rank 0 returned "
+               f"{got[0]!r}; expected their mean, {want:g}.",
+               "sum the losses with a collective, then divide by the world size.")
+        extra = {r: v for r, v in enumerate(got) if r and v is not None}
+        expect(not extra,
+               f"with {world_size} ranks, the other ranks returned {extra}; only rank 0 logs, "
+               "so the others should return None.",
+               "after the collective, return the mean on rank 0 and None elsewhere.")
+    return "rank 0 logs the mean of every rank's loss, and no rank waits for another."
+
+
+# --- 7.3 replicas that silently diverged ---
+
+CASES = ["identical", "one rank nudged", "different seeds", "two weights swapped"]
+"""7.3's replicas: the same model everywhere, then three ways of not being the same."""
+
+
+def _replica(case: str):
+    """On a rank: this rank's replica for one case."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(rank if case == "different seeds" else 0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    with torch.no_grad():
+        weight = model[0].weight
+        if case == "one rank nudged" and rank == dist.get_world_size() - 1:
+            weight[0, 0] += 1e-6
+        if case == "two weights swapped" and rank == 1:
+            weight[0, 0], weight[0, 1] = weight[0, 1].clone(), weight[0, 0].clone()
+    return model
+
+
+def _agree_on_rank(attempt: Callable) -> list:
+    return [attempt(_replica(case)) for case in CASES]
+
+
+@exercise("7.3", "Catch replicas that silently diverged", solution="replicas_agree",
+          hint="every rank must learn every other rank's parameters, or enough about them to "
+               "tell any difference: gather them (all_gather of the flattened parameters), "
+               "then compare exactly. A sum of everything cannot see two values swapped.")
+def check_replicas_agree(replicas_agree: Callable) -> str:
+    with ranks(3) as pool:
+        got = run_in_time(pool, _agree_on_rank, replicas_agree, deadline=DEADLINE,
+                          meaning="The ranks did not make the same collective calls.",
+                          hint="call the same collectives on every rank, whatever it finds.")
+    for i, case in enumerate(CASES):
+        answers = [rank_answers[i] for rank_answers in got]
+        want = case == "identical"
+        expect(all(isinstance(a, bool) for a in answers),
+               f"for {case} replicas your function returned {answers} on ranks 0-2; it should "
+               "return True or False.")
+        expect(len(set(answers)) == 1,
+               f"for {case} replicas the ranks disagree: {answers}. Every rank must reach the "
+               "same verdict, or some stop training while the others wait for them.",
+               "compare what every rank gathered, not only what it holds itself.")
+        expect(answers[0] == want,
+               f"for {case} replicas your function said {answers[0]}; they are "
+               f"{'identical' if want else 'not identical'}.",
+               "compare the gathered parameters exactly (torch.equal): a difference of "
+               "1e-6, or two swapped values, is still a difference."
+               if not want else "identical replicas must pass: compare each rank's "
+               "parameters with rank 0's, element by element.")
+    return ("identical replicas pass on every rank; a nudge of 1e-6, different seeds and two "
+            "swapped weights are caught, with the same verdict on every rank.")

@@ -1,0 +1,187 @@
+"""A fault injector: the mistakes that break distributed code, made on purpose, one at a time.
+
+`step` is the communication of one miniature training step, run on every rank of a pool:
+
+    1. all_reduce the gradients           (each rank holds 4 numbers)
+    2. broadcast rank 0's "keep going?" flag
+    3. all_gather every rank's loss
+
+and one rank, the victim, makes one of the mistakes in `FAULTS`. `attempt` runs it on a
+pool and sums up what each rank saw (the right answer, a wrong one, an error, a hang, a
+death), so that a fault's symptoms can be read side by side: on a default pool, and on
+one started with `env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}`.
+
+The kernel side imports no torch; `step` imports it on the rank.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddplab.errors import RankError, RankFailure, Stuck
+
+FAULTS: dict[str, str] = {
+    "skip": "skips the all_reduce",
+    "shape": "all_reduces 5 numbers instead of 4",
+    "op": "reduces with MAX instead of SUM",
+    "order": "broadcasts before it all_reduces",
+    "late": "arrives `late` seconds after the others",
+    "dead": "exits before the all_reduce",
+}
+"""What the victim does wrong, by the fault's name."""
+
+
+def step(fault: str | None = None, victim: int = 1, late: float = 3.0) -> dict:
+    """One step's collectives on this rank; the victim makes the mistake `fault`.
+
+    Returns whether this rank's gradients came out right, and what it holds. Each call is
+    on a line of its own, so that a stack report names the very call a rank waits in.
+    """
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if fault is not None and fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}: choose one of {', '.join(FAULTS)}")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    me = fault if rank == victim else None
+    grads = torch.arange(4.0) + rank
+    flag = torch.tensor([1 if rank == 0 else 0])
+    losses = [torch.zeros(1) for _ in range(world_size)]
+    if me == "dead":
+        os._exit(1)
+    if me == "late":
+        time.sleep(late)
+    if me == "order":
+        dist.broadcast(flag, src=0)
+    if me == "shape":
+        grads = torch.arange(5.0) + rank
+    if me == "op":
+        dist.all_reduce(grads, op=dist.ReduceOp.MAX)
+    elif me != "skip":
+        dist.all_reduce(grads)
+    if me != "order":
+        dist.broadcast(flag, src=0)
+    dist.all_gather(losses, torch.tensor([0.5 + rank]))
+    right = torch.arange(4.0) * world_size + sum(range(world_size))
+    return {"right": grads.shape == right.shape and bool(torch.equal(grads, right)),
+            "grads": grads.tolist(), "flag": flag.item()}
+
+
+@dataclass
+class Trial:
+    """What each rank saw when the victim made its mistake."""
+
+    fault: str | None
+    victim: int
+    seen: dict[int, str]  # rank -> a few words: "✓ right answer", "stuck in all_reduce()"
+    error: RankError | None = None
+    results: dict[int, Any] = field(default_factory=dict)
+
+
+# gloo's messages start with the C++ source they come from, and name peers by address and
+# port: neither tells a learner anything, and the ports change at every run.
+_CPP_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ")
+_PEER = re.compile(r"(?:Read error )?\[[0-9a-fA-F.:]+\]:\d+:? ?")
+# Whether a dead peer's socket reads as "reset" or "closed" is a race between the kernel's
+# TCP stack and gloo's reader; both mean the same thing here.
+_LOST = re.compile(r"Connection (?:reset|closed) by peer")
+
+
+def short(f: RankFailure, limit: int = 48) -> str:
+    """A few words on a rank's failure, the same at every run."""
+    if f.type == "died":
+        return "died: " + f.message.removeprefix("was ").removeprefix("killed by ")
+    text = _LOST.sub("Connection to a peer lost", _CPP_SOURCE.sub("", f.message))
+    first = _PEER.sub("", text).split(". ")[0].split("\n")[0].strip()
+    if len(first) > limit:
+        first = first[:limit - 1] + "…"
+    return f"{f.type}: {first}"
+
+
+def _stuck(s: Stuck) -> str:
+    if s.main is None:
+        return "stuck, not answering"
+    return f"stuck in {s.function}()" if s.main.waiting_in else "stuck in its own code"
+
+
+def attempt(pool, fault: str | None, victim: int = 1, timeout: float = 3.0,
+            late: float = 3.0) -> Trial:
+    """Run `step` on every rank of `pool` with one fault, and sum up what each rank saw."""
+    if fault is not None and fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}: choose one of {', '.join(FAULTS)}")
+    if not 0 <= victim < pool.world_size:
+        raise ValueError(f"victim={victim}: this pool has ranks 0..{pool.world_size - 1}")
+    try:
+        results = pool.run(step, fault, victim, late, timeout=timeout)
+    except RankError as err:
+        seen = {r: short(f) for r, f in err.failures.items()}
+        seen.update({r: _stuck(s) for r, s in err.stuck.items()})
+        for r in range(pool.world_size):
+            seen.setdefault(r, "finished")
+        return Trial(fault, victim, dict(sorted(seen.items())), err)
+    seen = {r: "✓ right answer" if out["right"] else "✗ WRONG answer, no error"
+            for r, out in enumerate(results)}
+    return Trial(fault, victim, seen, None, dict(enumerate(results)))
+
+
+def table(trials: list[Trial]) -> str:
+    """The trials as a text table: one row per fault, one column per rank (victim starred)."""
+    if not trials:
+        return ""
+    ranks = sorted(trials[0].seen)
+    header = ["the victim…"] + [f"rank {r}" for r in ranks]
+    rows = []
+    for t in trials:
+        what = FAULTS.get(t.fault, "makes no mistake") if t.fault else "makes no mistake"
+        rows.append([what] + [t.seen[r] + (" *" if r == t.victim and t.fault else "")
+                              for r in ranks])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n(* the victim)"
+
+
+# TORCH_DISTRIBUTED_DEBUG=DETAIL names a mismatch in one long sentence per rank:
+# "Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=3, OpType=ALLREDUCE,
+# TensorShape=[4], TensorDtypes=Float, TensorDeviceTypes=...), but Rank 1 is running
+# collective: CollectiveFingerPrint(...)".
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
+                          r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], "
+                          r"TensorDtypes=(\w+)")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one rank was about to run, as DETAIL's check saw it."""
+
+    rank: int
+    seq: int  # the group's sequence number: read it first
+    op: str  # "ALLREDUCE", "BROADCAST", ...
+    shape: str  # "4", "2, 3"
+    dtype: str
+
+
+def fingerprints(err: RankError) -> list[Fingerprint]:
+    """Every rank's collective named in DETAIL's mismatch errors, one per rank, rank order."""
+    found: dict[int, Fingerprint] = {}
+    for failure in err.failures.values():
+        for m in _FINGERPRINT.finditer(failure.message):
+            rank = int(m[1])
+            found.setdefault(rank, Fingerprint(rank, int(m[2]), m[3], m[4], m[5]))
+    return [found[r] for r in sorted(found)]
+
+
+def fingerprint_table(err: RankError) -> str:
+    """DETAIL's verdict as a table: rank, sequence number, collective, shape, dtype."""
+    rows = [["rank", "seq", "collective", "shape", "dtype"]]
+    rows += [[str(f.rank), str(f.seq), f.op, f"[{f.shape}]", f.dtype]
+             for f in fingerprints(err)]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)

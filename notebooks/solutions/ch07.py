@@ -1,0 +1,33 @@
+"""Instructor solutions for chapter 7 (debugging).
+
+One function per exercise, named as the exercise's `solution`; `tests/test_exercises.py`
+checks that each passes `check("7.N", ...)`. Learners: try first, then compare.
+"""
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+
+def who_skipped(err, world_size):
+    """Exercise 7.1: (the rank that skipped a collective, that collective), from a report."""
+    waits = {rank: stuck.function for rank, stuck in err.stuck.items()}
+    skipped, _ = Counter(waits.values()).most_common(1)[0]  # what the victims wait in
+    culprit = next(r for r in range(world_size) if waits.get(r) != skipped)
+    return culprit, skipped
+
+
+def mean_loss(loss):
+    """Exercise 7.2: every rank joins the all_reduce; only rank 0 returns the mean."""
+    total = torch.tensor([float(loss)])
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size() if dist.get_rank() == 0 else None
+
+
+def replicas_agree(model):
+    """Exercise 7.3: True on every rank when every rank's parameters are identical."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(g, gathered[0]) for g in gathered)

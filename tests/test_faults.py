@@ -1,0 +1,104 @@
+"""The fault injector, the flight recorder reader and DETAIL's fingerprints, on real gloo.
+
+Each fault of `ddplab.faults` is made on a real pool, and what every rank saw is checked:
+the symptoms chapter 7 teaches to read must be what torch 2.13 really does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddplab import Pool, RankError, faults, flight
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Pool(3, timeout=30) as p:
+        p.error_grace = 1.0
+        yield p
+
+
+@pytest.mark.slow
+def test_each_fault_shows_its_symptom_on_a_default_pool(pool):
+    seen = {f: faults.attempt(pool, f, timeout=3, late=4).seen
+            for f in [None, "skip", "op", "late", "dead"]}
+    assert seen[None] == {r: "✓ right answer" for r in range(3)}
+    assert seen["skip"] == {0: "stuck in all_reduce()", 1: "stuck in broadcast()",
+                            2: "stuck in all_reduce()"}
+    assert seen["op"] == {r: "✗ WRONG answer, no error" for r in range(3)}
+    assert seen["late"] == {0: "stuck in all_reduce()", 1: "stuck in its own code",
+                            2: "stuck in all_reduce()"}
+    assert seen["dead"] == {0: "RuntimeError: Connection to a peer lost",
+                            1: "died: exited with code 1",
+                            2: "RuntimeError: Connection to a peer lost"}
+    assert pool.run(dist.get_rank) == [0, 1, 2]  # rebuilt after each
+
+
+def test_a_hang_report_carries_the_flight_recorder_and_reads_it(pool):
+    trial = faults.attempt(pool, "skip", victim=2, timeout=3)
+    err = trial.error
+    assert sorted(err.flight) == [0, 1, 2]
+    records = {r: flight.parse(r, dump) for r, dump in err.flight.items()}
+    seq = records[0].last_enqueued
+    assert records[0].at(seq).op == "all_reduce" and records[2].at(seq).op == "broadcast"
+    assert (f"flight recorders disagree at collective #{seq}: ranks 0 and 1 have "
+            f"all_reduce([4]); rank 2 has broadcast([1])") in str(err)
+    table = flight.table(err.flight).splitlines()
+    assert table[0].split() == ["#", "rank", "0", "rank", "1", "rank", "2"]
+    assert table[-2].split() == [str(seq), "all_reduce([4])", "all_reduce([4])", "broadcast([1])"]
+
+
+@pytest.mark.slow
+def test_detail_names_the_mismatch_with_sequence_numbers():
+    with Pool(3, timeout=30, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as p:
+        p.error_grace = 1.0
+        skip = faults.attempt(p, "skip", timeout=5)
+        shape = faults.attempt(p, "shape", timeout=5)
+        op = faults.attempt(p, "op", timeout=5)
+    assert all(text.startswith("RuntimeError: Detected mismatch between collectives")
+               for text in skip.seen.values())
+    prints = faults.fingerprints(skip.error)
+    assert [(f.rank, f.op) for f in prints][:2] == [(0, "ALLREDUCE"), (1, "BROADCAST")]
+    assert len({f.seq for f in prints}) == 1  # the same collective number on every rank
+    assert {f.shape for f in faults.fingerprints(shape.error)} == {"4", "5"}
+    assert "seq" in faults.fingerprint_table(shape.error).splitlines()[0]
+    assert op.seen[1] == "✗ WRONG answer, no error"  # DETAIL does not compare reduce ops
+
+
+def test_gloo_giving_up_rebuilds_the_pool():
+    """After gloo's own timeout the group's connections are closed: the pool starts anew."""
+    with Pool(2, timeout=2) as p:
+        with pytest.raises(RankError) as info:
+            p.run(lambda: dist.recv(torch.zeros(1), src=0) if dist.get_rank() == 1 else None,
+                  timeout=20)
+        assert "Timed out waiting" in info.value.failures[1].message
+        assert info.value.restarted
+        assert p.run(lambda: dist.all_reduce(torch.ones(1)) or 1) == [1, 1]
+
+
+def test_flight_verdicts_name_who_is_behind():
+    def dump(seqs, last, op="all_reduce"):
+        return {"entries": [{"collective_seq_id": s, "profiling_name": f"gloo:{op}",
+                             "input_sizes": [[2]], "process_group": ["0", "default_pg"]}
+                            for s in seqs],
+                "pg_status": {"0": {"last_enqueued_collective": str(last),
+                                    "last_completed_collective": str(last - 1)}}}
+
+    assert flight.verdict({0: dump([1, 2], 2), 1: dump([1], 1), 2: dump([1], 1)}) == (
+        "flight recorder: rank 0 is waiting in collective #2 (all_reduce), which ranks 1 "
+        "and 2 never issued (they stopped after #1).")
+    assert flight.verdict({0: dump([1], 1), 1: dump([], -1)}).endswith("(it issued none).")
+    assert flight.verdict({0: dump([1], 1), 1: dump([1], 1, "broadcast")}) == (
+        "the ranks' flight recorders disagree at collective #1: rank 0 has all_reduce([2]); "
+        "rank 1 has broadcast([2]).")
+    assert flight.verdict({0: dump([1, 2], 2), 1: dump([1, 2], 2)}) == ""
+    assert flight.verdict({0: dump([1], 1)}) == ""
+
+
+def test_bad_faults_are_refused(pool):
+    with pytest.raises(ValueError, match="unknown fault 'typo': choose one of skip, shape"):
+        faults.attempt(pool, "typo")
+    with pytest.raises(ValueError, match=r"victim=5: this pool has ranks 0\.\.2"):
+        faults.attempt(pool, "skip", victim=5)
