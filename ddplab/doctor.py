@@ -666,6 +666,15 @@ class SwitchCheck:
         return f"{'✓' if self.works else '✗'} {self.setting}, {self.what}: {self.detail}"
 
 
+class Checks(list[SwitchCheck]):
+    """The switch checks, printed one per line."""
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self)) if self else "(not probed)"
+
+    __repr__ = __str__
+
+
 def _build_ddp() -> int:
     """On a rank: build a DistributedDataParallel model and run one step."""
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
@@ -673,7 +682,7 @@ def _build_ddp() -> int:
     return 0
 
 
-def probe_switches(world_size: int = 2, timeout: float = 30.0) -> list[SwitchCheck]:
+def probe_switches(world_size: int = 2, timeout: float = 30.0) -> Checks:
     """Build DDP on gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL, on a pool of its own.
 
     In torch 2.13 this crashes every rank with SIGSEGV (the kit's pools warn about it);
@@ -688,19 +697,10 @@ def probe_switches(world_size: int = 2, timeout: float = 30.0) -> list[SwitchChe
         try:
             pool.run(_build_ddp)
         except RankError as err:
-            return [SwitchCheck(setting, "DistributedDataParallel on gloo/cpu", False,
-                                _failure_text(err))]
-    return [SwitchCheck(setting, "DistributedDataParallel on gloo/cpu", True,
-                        "builds and trains")]
-
-
-class Checks(list[SwitchCheck]):
-    """The switch checks, printed one per line."""
-
-    def __str__(self) -> str:
-        return "\n".join(map(str, self)) if self else "(not probed)"
-
-    __repr__ = __str__
+            return Checks([SwitchCheck(setting, "DistributedDataParallel on gloo/cpu", False,
+                                       _failure_text(err))])
+    return Checks([SwitchCheck(setting, "DistributedDataParallel on gloo/cpu", True,
+                               "builds and trains")])
 
 
 @dataclass(repr=False)
@@ -741,7 +741,7 @@ def report(backends: Iterable[str] | None = None, ops: Iterable[str | Op] | None
     env = environment()
     matrix = probe(backends=backends, ops=ops, world_size=world_size, timeout=timeout,
                    show_output=show_output)
-    checks = Checks(probe_switches(world_size) if switches else [])
+    checks = probe_switches(world_size) if switches else Checks()
     return Report(env, matrix, Differences(compare_with_docs(matrix)), checks)
 
 

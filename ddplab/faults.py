@@ -92,15 +92,27 @@ _PEER = re.compile(r"(?:Read error )?\[[0-9a-fA-F.:]+\]:\d+:? ?")
 _LOST = re.compile(r"Connection (?:reset|closed) by peer")
 
 
+def tidy(message: str, limit: int = 48) -> str:
+    """The first sentence of a torch or gloo error, without what changes from run to run."""
+    text = _LOST.sub("Connection to a peer lost", _CPP_SOURCE.sub("", message))
+    first = _PEER.sub("", text).split(". ")[0].split("\n")[0].strip()
+    return first if len(first) <= limit else first[:limit - 1] + "…"
+
+
+# Two of torch's own verdicts, named by what they mean (their sentences fill a line).
+_VERDICTS = [(re.compile(r"^Detected mismatch between collectives"), "mismatch detected"),
+             (re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier"),
+              r"names rank \1 as missing")]
+
+
 def short(f: RankFailure, limit: int = 48) -> str:
     """A few words on a rank's failure, the same at every run."""
     if f.type == "died":
         return "died: " + f.message.removeprefix("was ").removeprefix("killed by ")
-    text = _LOST.sub("Connection to a peer lost", _CPP_SOURCE.sub("", f.message))
-    first = _PEER.sub("", text).split(". ")[0].split("\n")[0].strip()
-    if len(first) > limit:
-        first = first[:limit - 1] + "…"
-    return f"{f.type}: {first}"
+    for pattern, words in _VERDICTS:
+        if found := pattern.search(f.message):
+            return f"{f.type}: {found.expand(words)}"
+    return f"{f.type}: {tidy(f.message, limit)}"
 
 
 def _stuck(s: Stuck) -> str:

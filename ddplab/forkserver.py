@@ -338,6 +338,31 @@ def _child(spec: dict, fds: list[int], closing: list[int]) -> None:
         os._exit(code)
 
 
+@contextlib.contextmanager
+def _quiet_unless_failing():
+    """Hold back what the imports print (C++ INFO lines when TORCH_CPP_LOG_LEVEL=INFO asks
+    for them), unless they fail.
+
+    The server's stderr is the kernel's, which a notebook shows in whatever cell is running;
+    the ranks, forked later, print into their own cells.
+    """
+    import tempfile
+
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            os.write(2, held.read())
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def serve(sock_fd: int, lifeline_fd: int) -> None:
     """Run the server until the kernel goes; a kernel gone mid-message is no error."""
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -348,12 +373,13 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
     """The server's loop: fork on request, report exits, leave when the kernel goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=sock_fd)
-    # Preload what every rank needs, once. Nothing here may start threads before fork.
-    import cloudpickle  # noqa: F401
-    import torch
-    import torch.distributed  # noqa: F401
+    with _quiet_unless_failing():
+        # Preload what every rank needs, once. Nothing here may start threads before fork.
+        import cloudpickle  # noqa: F401
+        import torch
+        import torch.distributed  # noqa: F401
 
-    from ddplab import worker  # noqa: F401
+        from ddplab import worker  # noqa: F401
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)

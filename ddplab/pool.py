@@ -150,7 +150,12 @@ class Pool:
 
     @property
     def quiet(self) -> bool:
+        """Whether what the ranks print is hidden; can be switched between calls."""
         return self._procs.quiet
+
+    @quiet.setter
+    def quiet(self, value: bool) -> None:
+        self._procs.quiet = self._procs.output.quiet = bool(value)
 
     @property
     def running(self) -> bool:

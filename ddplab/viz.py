@@ -653,3 +653,128 @@ def show_sampler(splits: Sequence[Sequence[int]], dataset_size: int, *,
                 canvas.ax.text(x + canvas.cell / 2, panel.y - 0.03, "again", ha="center",
                                va="top", fontsize=FONT - 3, color="#555555")
     return canvas.fig
+
+
+def show_flight(dumps: dict, *, last: int = 5, title: str | None = None) -> Figure:
+    """The ranks' flight recorders side by side: who issued which collective, and who stopped.
+
+    `dumps` maps a rank to its flight recorder dump (`RankError.flight`, or a dump taken on
+    the rank; see `ddplab.flight`). One column per rank, one row per collective of the
+    default group (its sequence number on the left), the last `last` of them. A cell is the
+    collective that rank issued under that number, in the rank's colour; a white cell means
+    the rank never issued it. A row where the ranks issued different collectives is framed
+    in red: the first such row is where the bug is. Hatched cells never completed.
+    """
+    from ddplab.flight import parse
+
+    records = [parse(rank, dump) for rank, dump in sorted(dumps.items())]
+    if not records:
+        raise ValueError("no flight recorder dumps to draw")
+    seqs = sorted({e.seq for r in records for e in r.entries})[-last:]
+    col, row, left, top = 1.9, 0.5, 0.6, 0.75 + (0.35 if title else 0)
+    width = left + col * len(records) + 0.3
+    height = top + row * max(len(seqs), 1) + 0.75
+    canvas = _Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    for j, record in enumerate(records):
+        x = left + j * col
+        ax.text(x + col / 2, height - top + 0.12, f"rank {record.rank}", ha="center",
+                va="bottom", fontsize=FONT + 1, fontweight="bold",
+                color=_readable(rank_color(record.rank)))
+    for i, seq in enumerate(seqs):
+        y = height - top - (i + 1) * row
+        ax.text(left - 0.1, y + row / 2, f"#{seq}", ha="right", va="center", fontsize=FONT)
+        seen = set()
+        for j, record in enumerate(records):
+            x, entry = left + j * col, record.at(seq)
+            if entry is None:
+                ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1, fc=EMPTY,
+                                       ec="#BBBBBB", ls="--", lw=0.8))
+                ax.text(x + col / 2, y + row / 2, "never issued", ha="center", va="center",
+                        fontsize=FONT - 1, color="#777777")
+                continue
+            seen.add(entry.describe().split(" ", 1)[1])
+            done = seq <= record.last_completed
+            ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1,
+                                   fc=tint(rank_color(record.rank)), ec="none"))
+            if not done:
+                ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1, fill=False,
+                                       hatch="///", ec=_readable(rank_color(record.rank)), lw=0))
+            shape = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in entry.sizes)
+            ax.text(x + col / 2, y + row / 2, f"{entry.op} {shape}", ha="center",
+                    va="center", fontsize=FONT - 0.5,
+                    bbox={"fc": "white", "ec": "none", "alpha": 0.7, "pad": 1} if not done
+                    else None)
+        if len(seen) > 1:
+            ax.add_patch(Rectangle((left, y + 0.02), col * len(records), row - 0.04,
+                                   fill=False, ec="#C00000", lw=2.2))
+    handles = [Patch(fc="white", ec="#555555", hatch="///", label="issued, never completed"),
+               Patch(fc="white", ec="#C00000", lw=2, label="the ranks disagree"),
+               Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="never issued")]
+    ax.legend(handles=handles, loc="lower left", ncol=3, frameon=False, fontsize=FONT - 1,
+              bbox_to_anchor=(0.0, 0.0), handlelength=1.5, columnspacing=1.2)
+    return canvas.fig
+
+
+@dataclass(frozen=True)
+class Span:
+    """A stretch of one rank's time: working (solid) or waiting in a collective (hatched)."""
+
+    rank: int
+    start: float  # seconds, on a clock all ranks share (time.monotonic() on one machine)
+    end: float
+    label: str
+    waiting: bool = False
+
+
+def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]] = (), *,
+                  title: str | None = None) -> Figure:
+    """What each rank did, and when: one lane per rank, time from left to right.
+
+    Working spans are solid in the rank's colour, waiting spans (inside a collective that
+    others have not joined) hatched; `marks` are (rank, time, text) events such as an
+    error, drawn as a red cross with the text beside it. Times are shifted so the first
+    span starts at 0.
+    """
+    if not spans:
+        raise ValueError("no spans to draw")
+    t0 = min(s.start for s in spans)
+    t1 = max([s.end for s in spans] + [t for _, t, _ in marks])
+    ranks = sorted({s.rank for s in spans} | {r for r, _, _ in marks})
+    lane, left, scale = 0.55, 0.9, 9.0 / max(t1 - t0, 1e-9)
+    top = 0.25 + (0.35 if title else 0)
+    width, height = left + 9.0 + 1.9, top + lane * len(ranks) + 0.75
+    canvas = _Canvas(width, height, CELL, title)
+    ax = canvas.ax
+
+    def x(t: float) -> float:
+        return left + (t - t0) * scale
+
+    def y(rank: int) -> float:
+        return height - top - (ranks.index(rank) + 1) * lane
+
+    for rank in ranks:
+        ax.text(left - 0.1, y(rank) + lane / 2, f"rank {rank}", ha="right", va="center",
+                fontsize=FONT, fontweight="bold", color=_readable(rank_color(rank)))
+    for s in spans:
+        color = rank_color(s.rank)
+        ax.add_patch(Rectangle((x(s.start), y(s.rank) + 0.1), max((s.end - s.start) * scale,
+                                                                  0.02), lane - 0.2,
+                               fc=tint(color, 0.8 if s.waiting else 0.35), ec=color,
+                               hatch="///" if s.waiting else None, lw=0.8))
+        if (s.end - s.start) * scale > 0.075 * len(s.label) + 0.15:  # only where it fits
+            ax.text(x(s.start) + 0.05, y(s.rank) + lane / 2, s.label, ha="left", va="center",
+                    fontsize=FONT - 1,
+                    bbox={"fc": "white", "ec": "none", "alpha": 0.75, "pad": 1})
+    for rank, t, text in marks:
+        ax.plot([x(t)], [y(rank) + lane / 2], marker="x", ms=9, mew=2.2, color="#C00000")
+        ax.text(x(t) + 0.12, y(rank) + lane / 2, text, ha="left", va="center",
+                fontsize=FONT - 1, color="#C00000")
+    base = height - top - lane * len(ranks) - 0.05
+    ax.plot([left, left + 9.0], [base, base], color="#555555", lw=0.8)
+    step = max(1, round((t1 - t0) / 5))
+    for k in range(int((t1 - t0) // step) + 1):
+        ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
+        ax.text(x(t0 + k * step), base - 0.1, f"{k * step:g} s", ha="center", va="top",
+                fontsize=FONT - 1)
+    return canvas.fig

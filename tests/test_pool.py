@@ -580,3 +580,13 @@ def test_detail_on_gloo_warns_before_ddp_crashes_and_the_crash_gets_the_hint(cap
             p.run(_build_ddp)
     assert "SIGSEGV" in info.value.failures[info.value.root_cause].message
     assert "Hint: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo" in str(info.value)
+
+
+def test_quiet_hides_the_ranks_output_and_can_be_switched_between_calls(capfd):
+    with Pool(2, quiet=True) as p:
+        p.run(print, "hidden")
+        assert "hidden" not in capfd.readouterr().out
+        p.quiet = False
+        p.run(print, "shown")
+        assert capfd.readouterr().out == "[rank 0]\nshown\n[rank 1]\nshown\n"
+        assert not p.quiet

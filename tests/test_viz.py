@@ -210,3 +210,37 @@ def test_loss_curves_average_the_steps_every_rank_reported():
     assert [line.get_label() for line in fig.axes[0].lines] == [
         "rank 0 (its own batches)", "rank 1 (its own batches)", "average over ranks"]
     assert "95.00%" in fig.texts[0].get_text()
+
+
+def _dump(seqs, last, odd=None):
+    """A flight recorder dump: all_reduces, but a broadcast at sequence number `odd`."""
+    return {"entries": [{"collective_seq_id": s,
+                         "profiling_name": f"gloo:{'broadcast' if s == odd else 'all_reduce'}",
+                         "input_sizes": [[4]], "process_group": ["0", "default_pg"]}
+                        for s in seqs],
+            "pg_status": {"0": {"last_enqueued_collective": str(last),
+                                "last_completed_collective": str(last - 1)}}}
+
+
+def test_show_flight_draws_a_row_per_collective_and_frames_disagreements():
+    fig = viz.show_flight({0: _dump([1, 2, 3], 3), 1: _dump([1, 2], 2),
+                           2: _dump([1, 2, 3], 3, odd=3)}, title="skip")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts[:4] == ["skip", "rank 0", "rank 1", "rank 2"]
+    assert texts.count("never issued") == 1
+    assert "broadcast [4]" in texts and "#3" in texts
+    red = [p for p in fig.axes[0].patches if p.get_edgecolor()[:3] == to_rgb("#C00000")]
+    assert len(red) == 1  # only #3, where ranks 0 and 2 disagree, is framed
+    with pytest.raises(ValueError, match="no flight recorder dumps"):
+        viz.show_flight({})
+
+
+def test_show_timeline_lays_out_lanes_and_marks():
+    spans = [viz.Span(0, 10.0, 10.3, "compute"), viz.Span(0, 10.3, 12.3, "all_reduce", True),
+             viz.Span(1, 10.0, 14.3, "late")]
+    fig = viz.show_timeline(spans, [(0, 12.3, "gave up")], title="late")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert {"rank 0", "rank 1", "gave up", "late", "0 s", "4 s"} <= set(texts)
+    assert "compute" not in texts  # 0.3 s is too short a span to hold its label
+    with pytest.raises(ValueError, match="no spans"):
+        viz.show_timeline([])
