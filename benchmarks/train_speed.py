@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from ddplab.pool import quiet_pool
+from ddplab.pool import Pool
 from ddplab.train import CHECKPOINT, Config, train
 
 
 def pool_run(world_size: int, cfg: Config) -> tuple[list[float], dict]:
-    with quiet_pool(world_size, timeout=600) as pool:  # rank 0 prints each epoch: not here
+    with Pool(world_size, timeout=600, quiet=True) as pool:  # rank 0 prints each epoch: not here
         result = pool.run(train, cfg)[0]
     return [e["seconds"] for e in result["history"]], result["model"]
 

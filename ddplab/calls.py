@@ -97,17 +97,11 @@ def run(procs: Processes, call: Plan, timeouts: Timeouts, all_threads: bool = Fa
                     pending.discard(r)
                 if outcome.failures:
                     deadline = min(deadline, time.monotonic() + timeouts.error_grace)
-    except KeyboardInterrupt:
+        if pending:
+            _report_unfinished(procs, call, call_id, outcome, pending, started, timeouts,
+                               all_threads)
+    except KeyboardInterrupt:  # also while the report is made: the learner wants out
         outcome.interrupted = True
-    if pending and not outcome.interrupted:
-        outcome.stuck = where(procs, sorted(pending), timeouts, all_threads)
-        late = [r for r in sorted(pending - set(outcome.stuck))  # done as time ran out
-                if procs.ranks[r].conn.poll(timeouts.stacks)
-                and _receive(procs, r, call_id, call, outcome, started, timeouts)]
-        pending.difference_update(late)
-        _finish_output(procs, late, timeouts.drain)
-        if outcome.stuck and procs.setup.init_method is not None:
-            outcome.flight = flight_records(procs, call.targets, timeouts)
     outcome.broken = bool(pending) or outcome.interrupted or any(
         breaks_group(f) for f in outcome.failures.values())
     if outcome.broken:
@@ -115,6 +109,40 @@ def run(procs: Processes, call: Plan, timeouts: Timeouts, all_threads: bool = Fa
         procs.drain(timeouts.drain)  # what a dying rank printed last is often the clue
     procs.output.show()
     return outcome
+
+
+def _report_unfinished(procs: Processes, call: Plan, call_id: int, outcome: Outcome,
+                       pending: set[int], started: float, timeouts: Timeouts,
+                       all_threads: bool) -> None:
+    """Ask the ranks that did not finish where they are; take the flight recorder's dumps.
+
+    A rank that says it is no longer in a call finished as the deadline passed: its reply
+    (after any events it sent first) is read now. Every rank still pending afterwards is
+    reported as stuck, so that a call never returns with a rank's result missing.
+    """
+    outcome.stuck = where(procs, sorted(pending), timeouts, all_threads)
+    late = []
+    for r in sorted(pending - set(outcome.stuck)):
+        conn, until = procs.ranks[r].conn, time.monotonic() + timeouts.stacks
+        while (left := until - time.monotonic()) > 0 and conn.poll(left):
+            if _receive(procs, r, call_id, call, outcome, started, timeouts):
+                late.append(r)
+                break
+    pending.difference_update(late)
+    _finish_output(procs, late, timeouts.drain)
+    for r in pending - set(outcome.stuck):
+        outcome.stuck[r] = Stuck(r, [])
+    if outcome.stuck and procs.setup.init_method is not None:
+        outcome.flight = flight_records(procs, call.targets, timeouts)
+
+
+def _ask(ctl, request: str) -> None:
+    """Send a control request, dropping answers to earlier ones that came too late."""
+    with contextlib.suppress(EOFError, OSError):
+        while ctl.poll(0):
+            ctl.recv()
+    with contextlib.suppress(OSError):
+        ctl.send(request)
 
 
 def _finish_output(procs: Processes, ranks: list[int], seconds: float) -> None:
@@ -157,7 +185,7 @@ def _receive(procs: Processes, r: int, call_id: int, call: Plan, outcome: Outcom
         seen = time.monotonic()
         procs.selector.unregister(rank.conn)
         status = procs.wait_exit(rank.pid, timeouts.exit_status)
-        debug = procs.environment().get("TORCH_DISTRIBUTED_DEBUG", "")
+        debug = procs.started_env.get("TORCH_DISTRIBUTED_DEBUG", "")
         outcome.failures[r] = died(r, status, procs.setup.backend, seen, started, debug)
         return True
     kind, cid, body = protocol.decode(data)
@@ -184,17 +212,19 @@ def flight_records(procs: Processes, ranks: list[int], timeouts: Timeouts) -> di
     issued is half of the story. A rank that does not answer in time is left out.
     """
     for r in ranks:
-        with contextlib.suppress(OSError):
-            procs.ranks[r].ctl.send(protocol.FLIGHT)
+        _ask(procs.ranks[r].ctl, protocol.FLIGHT)
     records = {}
     deadline = time.monotonic() + timeouts.stacks
     for r in ranks:
         ctl = procs.ranks[r].ctl
         with contextlib.suppress(EOFError, OSError):
-            if ctl.poll(max(0.0, deadline - time.monotonic())):
-                dump = ctl.recv()  # (a late answer about stacks is not a dump)
-                if isinstance(dump, (bytes, str)) and dump:
+            while ctl.poll(max(0.0, deadline - time.monotonic())):
+                dump = ctl.recv()
+                if isinstance(dump, tuple):  # a late answer about stacks: skip it
+                    continue
+                if dump:
                     records[r] = dump.decode() if isinstance(dump, bytes) else dump
+                break
     return records
 
 
@@ -209,17 +239,18 @@ def where(procs: Processes, ranks: list[int], timeouts: Timeouts,
     """
     stuck = {}
     for r in ranks:
-        with contextlib.suppress(OSError):
-            procs.ranks[r].ctl.send(protocol.STACKS)
+        _ask(procs.ranks[r].ctl, protocol.STACKS)
     deadline = time.monotonic() + timeouts.stacks
     for r in ranks:
         ctl = procs.ranks[r].ctl
         try:
             if ctl.poll(max(0.0, deadline - time.monotonic())):
-                busy, threads = ctl.recv()
-                if busy:
-                    stuck[r] = Stuck(r, threads if all_threads else threads[:1])
-                continue
+                answer = ctl.recv()
+                if isinstance(answer, tuple) and len(answer) == 2:
+                    busy, threads = answer
+                    if busy:
+                        stuck[r] = Stuck(r, threads if all_threads else threads[:1])
+                    continue
         except (EOFError, OSError):
             pass
         with contextlib.suppress(OSError):

@@ -8,8 +8,8 @@ sequence numbers. Dumps from all ranks, side by side, answer the first question 
 hang: did every rank issue the same collectives, and who stopped where?
 
 When a pool call hangs, the pool takes a dump from every rank of the call before it stops
-them (`RankError.flight`: rank -> the dump as a dict), and the report says what the dumps
-show. torch ships an analysis tool for dumps (`python -m
+them (`RankError.flight`: rank -> the dump, torch's JSON text), and the report says what
+the dumps show. torch ships an analysis tool for dumps (`python -m
 torch.distributed.flight_recorder.fr_trace`), written for NCCL's; in torch 2.13 it fails
 on gloo's dumps with a KeyError, so this module reads them itself. Kernel side: no torch.
 """
@@ -20,6 +20,9 @@ import json
 from dataclasses import dataclass
 
 from ddplab.errors import ranks_text
+
+Dump = dict | str | bytes
+"""A rank's dump: torch's JSON text, or that text already parsed."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Record:
         return next((e for e in self.entries if e.seq == seq), None)
 
 
-def parse(rank: int, dump: dict | str | bytes, group: str = "0") -> Record:
+def parse(rank: int, dump: Dump, group: str = "0") -> Record:
     """A rank's dump (`torch._C._distributed_c10d._dump_fr_trace_json()`) as a Record."""
     if isinstance(dump, (str, bytes)):
         dump = json.loads(dump)
@@ -66,7 +69,7 @@ def parse(rank: int, dump: dict | str | bytes, group: str = "0") -> Record:
                   int(status.get("last_completed_collective", -1)))
 
 
-def verdict(dumps: dict[int, dict]) -> str:
+def verdict(dumps: dict[int, Dump]) -> str:
     """One sentence on what the ranks' dumps show, or "" when they show nothing wrong.
 
     First, the earliest sequence number at which ranks recorded different collectives (a
@@ -113,7 +116,7 @@ def verdict(dumps: dict[int, dict]) -> str:
             f"issued ({when}).")
 
 
-def table(dumps: dict[int, dict], last: int = 4) -> str:
+def table(dumps: dict[int, Dump], last: int = 4) -> str:
     """The last `last` collectives of every rank, side by side, as text."""
     records = [parse(rank, dump) for rank, dump in sorted(dumps.items())]
     seqs = sorted({e.seq for r in records for e in r.entries})[-last:]

@@ -105,6 +105,7 @@ class ForkServer:
         self.exits: dict[int, int] = {}  # pid -> wait status, as reported by the server
         self.children: set[int] = set()  # forked, and no exit reported yet
         self._forgotten: set[int] = set()  # nobody will ask for these exit statuses
+        self._to_forget: list[int] = []  # see forget_later
 
     @property
     def pid(self) -> int | None:
@@ -195,21 +196,28 @@ class ForkServer:
                 try:
                     msg, _ = _recv(self._sock)
                 except (EOFError, OSError):
-                    return
+                    break
                 if msg[0] == "exit":
                     self._file_exit(msg[1], msg[2])
+            self._settle_forgotten()
 
-    def forget(self, pids: Iterable[int]) -> None:
+    def forget_later(self, pids: Iterable[int]) -> None:
         """Drop the exit reports of ranks nobody will ask about (a pool killed them).
 
         Reports that have not arrived yet are dropped when they do, so a kernel that
-        starts pools all day keeps no record of their ranks.
+        starts pools all day keeps no record of their ranks. The work is done at this
+        server's next call, never here: a dropped pool's finalizer calls this, and garbage
+        collection can run it in the middle of another call to this server (in the same
+        thread, so the lock would not keep it out), halfway through reading a reply.
         """
-        with self._lock:
-            self.poll_exits()
-            for pid in pids:
-                if self.exits.pop(pid, None) is None and pid in self.children:
-                    self._forgotten.add(pid)
+        self._to_forget.extend(pids)  # one operation under the GIL; nothing else here
+
+    def _settle_forgotten(self) -> None:
+        """With the lock held: drop what forget_later() asked to drop."""
+        while self._to_forget:
+            pid = self._to_forget.pop()
+            if self.exits.pop(pid, None) is None and pid in self.children:
+                self._forgotten.add(pid)
 
     def busy(self) -> bool:
         """Are ranks forked by this server still running?"""
@@ -240,6 +248,15 @@ class ForkServer:
                     proc.kill()
                     proc.wait()
 
+    def kill(self) -> None:
+        """Stop a server that has no ranks at once, even in the middle of importing torch."""
+        with self._lock:
+            proc = self._proc
+            self._close()
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+
     def _close(self) -> None:
         if self._sock is not None:
             self._sock.close()
@@ -249,9 +266,12 @@ class ForkServer:
         self.exits.clear()
         self.children.clear()
         self._forgotten.clear()
+        self._to_forget.clear()
 
 
 _servers: dict[Setting, ForkServer] = {}
+_home: Setting | None = None  # the setting of the first server this process started
+_previous: Setting | None = None  # the last other setting asked for
 _server_lock = threading.Lock()
 _lifeline_fds: tuple[int, int] | None = None
 
@@ -277,15 +297,24 @@ def running(env: Mapping[str, str] | None = None) -> ForkServer | None:
 def get(env: Mapping[str, str] | None = None) -> ForkServer:
     """The forkserver for `env` (default: this process's environment), started on first use.
 
-    One server per setting of torch's import-time variables; servers of other settings
-    that have no ranks left are stopped, so a kernel holds one or two at most.
+    One server per setting of torch's import-time variables. An idle server holds a few
+    hundred MB (torch, imported), a fresh one costs seconds, so a kernel keeps: the first
+    server it started (its own setting: most pools use it), the server of the setting asked
+    for now and the one asked for before it (a debugging pool started again), and any
+    server whose ranks still run. Other idle servers are stopped at once.
     """
+    global _home, _previous
     setting = import_time(os.environ if env is None else env)
     with _server_lock:
+        if _home is None:
+            _home = setting
+        keep = {_home, setting, _previous}
+        for other in [k for k, s in _servers.items() if k not in keep and not s.busy()]:
+            _servers.pop(other).kill()
+        if setting != _home:
+            _previous = setting
         server = _servers.get(setting)
         if server is None:
-            for other in [k for k, s in _servers.items() if not s.busy()]:
-                _servers.pop(other).stop()
             server = _servers[setting] = ForkServer(setting)
         server.start()
         return server

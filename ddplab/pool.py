@@ -129,7 +129,7 @@ class Pool:
             self._finalizer()
             raise
         _started.append(weakref.ref(self))
-        if not quiet and backend == "gloo" and self._procs.environment().get(
+        if not quiet and backend == "gloo" and self._procs.started_env.get(
                 "TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
             print(f"Note: {DETAIL_DDP_CRASH}", file=sys.stderr)  # before it happens
 
@@ -315,7 +315,10 @@ class Pool:
 
     def _error(self, outcome: calls.Outcome, timeout: float) -> RankError:
         simultaneous = self.timeouts.simultaneous
-        seen = flight.verdict(outcome.flight)
+        try:
+            seen = flight.verdict(outcome.flight)
+        except Exception:  # a dump this torch writes differently: the report must still come
+            seen = ""
         seen = f"\n{seen[0].upper()}{seen[1:]}" if seen else ""
         if outcome.failures:
             reason = ""

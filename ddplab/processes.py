@@ -74,6 +74,7 @@ class Processes:
         self.generation = 0
         self.released = False
         self._server: forkserver.ForkServer | None = None
+        self.started_env: dict[str, str] = {}  # what the current ranks started with
         self.tmpdir = (tempfile.mkdtemp(prefix="ddplab-")  # mode 0700: private
                         if setup.init_method == "file" else None)
 
@@ -90,7 +91,7 @@ class Processes:
     def start(self) -> None:
         """Fork a new generation of ranks, with a fresh rendezvous for their group."""
         self.generation += 1
-        env = self.environment()
+        env = self.started_env = self.environment()
         self._server = forkserver.get(env)
         rendezvous = self._rendezvous()
         try:
@@ -172,8 +173,8 @@ class Processes:
             rank.ctl.close()
         self.output.close_all()
         self.output = OutputRouter(self.quiet)
-        if self._server is not None:
-            self._server.forget(self.pids)
+        if self._server is not None:  # settled at its next call: this may run inside one
+            self._server.forget_later(self.pids)
         self.ranks.clear()
         if self.tmpdir:
             for name in os.listdir(self.tmpdir):

@@ -1,6 +1,6 @@
 """The messages between the kernel and its ranks, spelled out in one place.
 
-A rank has four channels from the kernel (see `ranks.py` for how they are made):
+A rank has four channels from the kernel (see `processes.py` for how they are made):
 
 - the **command** channel carries requests in and replies out, each one pickled tuple:
     kernel -> rank   `(CALL, call_id, payload)`   payload: cloudpickle of `Call`

@@ -1,8 +1,8 @@
 """Every time limit the pool keeps, in one table, with the reason for each.
 
-Tests and `ddplab doctor` shorten some of them on a pool of their own
-(`pool.timeouts = replace(pool.timeouts, error_grace=1.0)`); nothing else in the kit
-spells out a number of seconds for the pool.
+A pool keeps its own copy (`pool.timeouts`); `Pool(timeout=)` sets `call`, and tests,
+chapters and `ddplab doctor` shorten the grace after a failure with `pool.error_grace = 1.0`.
+Deadlines of single calls (an exercise's, a probe's) are chosen by their callers.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ class Timeouts:
     """Seconds the pool waits for each thing before it gives up on it."""
 
     call: float = 60.0
-    """A call's deadline unless `Pool(timeout=)` or `run(timeout=)` says otherwise; also
-    the process group's own timeout, so no collective waits longer than the pool does."""
+    """A call's deadline unless `run(timeout=)` says otherwise. `Pool(timeout=)` sets it, and
+    with it the process group's own timeout (fixed when the ranks start), so no collective
+    waits longer than the pool does."""
 
     error_grace: float = 3.0
     """Once one rank has failed, how long the others get to finish: those still running

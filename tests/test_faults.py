@@ -1,7 +1,7 @@
 """The fault injector, the flight recorder reader and DETAIL's fingerprints, on real gloo.
 
-Each fault of `ddplab.faults` is made on a real pool, and what every rank saw is checked:
-the symptoms chapter 7 teaches to read must be what torch 2.13 really does.
+The symptoms of every fault, on a default pool and under DETAIL, are chapter 7a's tables,
+which nbval re-runs and compares; these tests check the parts the tables rest on.
 """
 
 from __future__ import annotations
@@ -18,22 +18,6 @@ def pool():
     with Pool(3, timeout=30) as p:
         p.error_grace = 1.0
         yield p
-
-
-@pytest.mark.slow
-def test_each_fault_shows_its_symptom_on_a_default_pool(pool):
-    seen = {f: faults.attempt(pool, f, timeout=3, late=4).seen
-            for f in [None, "skip", "op", "late", "dead"]}
-    assert seen[None] == {r: "✓ right answer" for r in range(3)}
-    assert seen["skip"] == {0: "stuck in all_reduce()", 1: "stuck in broadcast()",
-                            2: "stuck in all_reduce()"}
-    assert seen["op"] == {r: "✗ WRONG answer, no error" for r in range(3)}
-    assert seen["late"] == {0: "stuck in all_reduce()", 1: "stuck in its own code",
-                            2: "stuck in all_reduce()"}
-    assert seen["dead"] == {0: "RuntimeError: Connection to a peer lost",
-                            1: "died: exited with code 1",
-                            2: "RuntimeError: Connection to a peer lost"}
-    assert pool.run(dist.get_rank) == [0, 1, 2]  # rebuilt after each
 
 
 def test_a_hang_report_carries_the_flight_recorder_and_reads_it(pool):
@@ -57,7 +41,7 @@ def test_detail_names_the_mismatch_with_sequence_numbers():
         skip = faults.attempt(p, "skip", timeout=5)
         shape = faults.attempt(p, "shape", timeout=5)
         op = faults.attempt(p, "op", timeout=5)
-    assert all(text.startswith("RuntimeError: Detected mismatch between collectives")
+    assert all(text.startswith("RuntimeError: mismatch detected")
                for text in skip.seen.values())
     prints = faults.fingerprints(skip.error)
     assert [(f.rank, f.op) for f in prints][:2] == [(0, "ALLREDUCE"), (1, "BROADCAST")]

@@ -10,6 +10,7 @@ the parameters cannot see.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from ddplab.errors import RankTimeout
@@ -46,8 +47,9 @@ def skipping_step(victim: int, skipped: str) -> None:
             dist.barrier()
 
 
+@functools.cache
 def _reports(world_size: int = 3) -> list[tuple[int, str, RankTimeout]]:
-    """Real hang reports, one per case of SKIPS."""
+    """Real hang reports, one per case of SKIPS; made once (each costs a 2 s hang)."""
     reports = []
     with ranks(world_size, timeout=30) as pool:
         for victim, skipped in SKIPS:
@@ -66,7 +68,10 @@ def _reports(world_size: int = 3) -> list[tuple[int, str, RankTimeout]]:
                "left waiting all wait in the skipped collective; the culprit is the rank "
                "that is not waiting in it (it went on, or even finished).")
 def check_who_skipped(who_skipped: Callable) -> str:
-    for victim, skipped, err in _reports():
+    for victim, skipped, report in _reports():
+        # A copy of the report for each attempt, so that one which edits it spoils no other.
+        err = RankTimeout(dict(report.failures), dict(report.stuck), report.restarted,
+                          flight=dict(report.flight))
         got = who_skipped(err, 3)
         expect(isinstance(got, tuple) and len(got) == 2,
                f"your function returned {got!r}; it should return a tuple (rank, collective), "
