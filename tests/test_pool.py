@@ -516,9 +516,10 @@ BARRIER_LINE = _wait_with_a_helper_thread.__code__.co_firstlineno + 3
 
 @pytest.mark.parametrize("all_threads", [False, True])
 def test_a_hang_report_is_structured_and_can_show_every_thread(all_threads):
-    with Pool(2, timeout=30, all_threads=all_threads) as p, \
-            pytest.raises(RankTimeout) as info:
-        p.run(_wait_with_a_helper_thread, timeout=2)
+    with Pool(2, timeout=30, all_threads=all_threads) as p:
+        p.run(rank_sum, 0)  # the ranks import this module first, which takes seconds under load
+        with pytest.raises(RankTimeout) as info:
+            p.run(_wait_with_a_helper_thread, timeout=2)
     stuck = info.value.stuck[0]
     assert list(info.value.stuck) == [0]
     assert (stuck.rank, stuck.function, stuck.file, stuck.line) == \
