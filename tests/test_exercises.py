@@ -132,6 +132,12 @@ def _sums_agree(model):
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+def _no_grad_at_all(model, x):
+    """7.4, wrong: counts frozen parameters too, which DDP never waits for."""
+    model(x).sum().backward()
+    return {name for name, p in model.named_parameters() if p.grad is None}
+
+
 @pytest.mark.parametrize("exercise_id, attempt, message, hint", [
     ("7.1", _first_stuck_rank, "when rank 1 skipped all_reduce, your function named rank 0",
      "not waiting in the skipped collective"),
@@ -142,6 +148,8 @@ def _sums_agree(model):
      "two swapped values, is still a difference"),
     ("7.3", lambda model: True, "for one rank nudged replicas your function said True",
      "torch.equal"),
+    ("7.4", _no_grad_at_all, "for the same model with that head frozen, your function named "
+     "['letters.bias', 'letters.weight']", "a frozen parameter (requires_grad=False)"),
 ])
 def test_chapter_7_wrong_attempts_get_their_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)

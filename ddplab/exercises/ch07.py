@@ -185,3 +185,65 @@ def check_replicas_agree(replicas_agree: Callable) -> str:
                "parameters with rank 0's, element by element.")
     return ("identical replicas pass on every rank; a nudge of 1e-6, different seeds and two "
             "swapped weights are caught, with the same verdict on every rank.")
+
+
+# --- 7.4 which parameters would DDP wait for? ---
+
+def _models() -> list[tuple[str, object, object, set[str]]]:
+    """(what, model, input, the parameters that input leaves without a gradient)."""
+    import torch
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            self.digits = torch.nn.Linear(4, 10)
+            self.letters = torch.nn.Linear(4, 26)
+
+        def forward(self, x):
+            return self.digits(self.body(x))
+
+    class Gated(torch.nn.Module):
+        """A branch taken only for inputs with a positive sum: per-batch unused parameters."""
+
+        def __init__(self):
+            super().__init__()
+            self.small = torch.nn.Linear(4, 2)
+            self.large = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.large(x) if x.sum() > 0 else self.small(x)
+
+    torch.manual_seed(0)
+    frozen = TwoHeads()
+    frozen.letters.requires_grad_(False)  # frozen: DDP does not wait for it
+    return [
+        ("a model with an unused head", TwoHeads(), torch.ones(2, 4),
+         {"letters.weight", "letters.bias"}),
+        ("the same model with that head frozen", frozen, torch.ones(2, 4), set()),
+        ("a gated model, positive input", Gated(), torch.ones(2, 4),
+         {"small.weight", "small.bias"}),
+        ("a gated model, negative input", Gated(), -torch.ones(2, 4),
+         {"large.weight", "large.bias"}),
+    ]
+
+
+@exercise("7.4", "Which parameters would DDP wait for?", solution="unused_parameters",
+          hint="run one forward and backward of the plain model (no DDP, no ranks), then "
+               "look at each named parameter: the ones that take part in training "
+               "(requires_grad) but got no .grad are the ones DDP would wait for.")
+def check_unused_parameters(unused_parameters: Callable) -> str:
+    for what, model, x, want in _models():
+        got = unused_parameters(model, x)
+        expect(isinstance(got, (set, list, tuple)) and all(isinstance(n, str) for n in got),
+               f"for {what}, your function returned {got!r}; it should return the parameters' "
+               "names, as model.named_parameters() spells them.")
+        got = set(got)
+        expect(got == want,
+               f"for {what}, your function named {sorted(got)}; DDP would wait for "
+               f"{sorted(want) or 'none of them'}.",
+               "a frozen parameter (requires_grad=False) is not one DDP waits for; and which "
+               "parameters are unused can depend on the input, so run the forward on it."
+               if got - want else None)
+    return ("unused parameters named for a fixed unused head, a frozen one (which DDP ignores) "
+            "and a gate that depends on the input.")

@@ -31,3 +31,11 @@ def replicas_agree(model):
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def unused_parameters(model, x):
+    """Exercise 7.4: the trainable parameters one forward and backward on `x` leave without
+    a gradient."""
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    return {name for name, p in model.named_parameters() if p.requires_grad and p.grad is None}
