@@ -158,12 +158,14 @@ def test_warnings_raised_on_the_ranks_name_the_cell(kernel):
 def test_re_running_a_pool_cell_all_day_keeps_no_descriptor():
     k = Kernel()
     try:
-        assert k.run("from ddplab import Pool\npool = Pool(2)").error is None
         count = "import os\nlen(os.listdir('/proc/self/fd'))"
-        before = k.value(count)
-        for _ in range(30):  # as a learner re-runs the cell, without shutdown()
+        for _ in range(5):  # as a learner re-runs the cell, without shutdown()
+            assert k.run("from ddplab import Pool\npool = Pool(2)").error is None
+        before = k.value(count)  # after the kernel's own one-off descriptors are made
+        for _ in range(25):
             assert k.run("pool = Pool(2)").error is None
-        assert k.value(count) <= before
+        # A leak keeps 7 descriptors per dropped pool (175 here); allow the kernel a couple.
+        assert k.value(count) <= before + 2
     finally:
         k.stop()
 

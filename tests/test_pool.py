@@ -436,7 +436,7 @@ def test_dropping_pools_without_shutdown_leaks_nothing():
         pids += pool.pids
     del pool
     assert gone(pids)
-    assert _open_fds() <= before
+    assert _open_fds() <= before + 2  # a leak keeps 4 per dropped pool: 120 here
     assert _bookkeeping_settles(server)
 
 
