@@ -13,7 +13,9 @@ the values written in them (1-D tensors as a row, 2-D as a grid). Layouts:
 - `show_before_after(before, after)`: the same, before and after an operation;
 - `show_transfers(tensors, moves)`: panels with arrows for data sent from rank to rank;
 - `show_cluster`, `show_store`, `show_mesh`: nodes and their devices, a rendezvous store,
-  and a 2-D device mesh with the groups along each of its dimensions.
+  and a 2-D device mesh with the groups along each of its dimensions;
+- `show_bars`: measured quantities side by side (timings vary between runs and machines,
+  so notebooks show them as pictures, whose pixels nbval does not compare).
 
 Functions take plain tensors, arrays or lists (no pool needed, so they are easy to test) and
 return a `matplotlib.figure.Figure`; in a notebook, a cell ending with one shows it. Figures
@@ -777,4 +779,42 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
         ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
         ax.text(x(t0 + k * step), base - 0.1, f"{k * step:g} s", ha="center", va="top",
                 fontsize=FONT - 1)
+    return canvas.fig
+
+
+def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
+              notes: Sequence[str] | None = None, colors: Sequence[str | None] | None = None,
+              title: str | None = None) -> Figure:
+    """Measured quantities side by side: one horizontal bar per (label, value), to scale.
+
+    Each bar has its value (with `unit`) written at its end, then its note (a speedup, a
+    ratio) if `notes` gives one. `colors` picks each bar's colour (a rank's colour says
+    that bar is that rank's work); None or a missing colour is the neutral grey.
+    """
+    if not values:
+        raise ValueError("no values to draw")
+    if any(v < 0 for _, v in values):
+        raise ValueError("show_bars draws magnitudes: every value must be 0 or more")
+    notes = list(notes or [])
+    colors = list(colors or [])
+    row, left = 0.42, max(len(label) for label, _ in values) * 0.085 + 0.4
+    length = 6.0
+    top = 0.2 + (0.35 if title else 0)
+    longest_note = max((len(n) for n in notes), default=0)
+    width = max(left + length + 1.4 + longest_note * 0.075, _title_width(title))
+    height = top + row * len(values) + 0.2
+    canvas = _Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    scale = length / max(max(v for _, v in values), 1e-12)
+    for i, (label, value) in enumerate(values):
+        y = height - top - (i + 1) * row
+        color = colors[i] if i < len(colors) and colors[i] else "#999999"
+        ax.text(left - 0.12, y + row / 2, label, ha="right", va="center", fontsize=FONT)
+        ax.add_patch(Rectangle((left, y + 0.07), max(value * scale, 0.02), row - 0.14,
+                               fc=tint(color, 0.35), ec=color, lw=0.8))
+        text = f"{value:.3g} {unit}".rstrip()
+        if i < len(notes) and notes[i]:
+            text += f"   {notes[i]}"
+        ax.text(left + value * scale + 0.1, y + row / 2, text, ha="left", va="center",
+                fontsize=FONT)
     return canvas.fig

@@ -244,3 +244,17 @@ def test_show_timeline_lays_out_lanes_and_marks():
     assert "compute" not in texts  # 0.3 s is too short a span to hold its label
     with pytest.raises(ValueError, match="no spans"):
         viz.show_timeline([])
+
+
+def test_show_bars_draws_each_value_to_scale_with_its_unit_and_note():
+    fig = viz.show_bars([("one", 40.0), ("two", 80.0)], unit="ms", notes=["", "speedup 1.00×"],
+                        colors=[None, viz.rank_color(1)], title="busy()")
+    shown = texts(fig)
+    assert {"one", "two", "40 ms", "80 ms   speedup 1.00×", "busy()"} <= set(shown)
+    bars = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+    assert bars[1].get_width() == pytest.approx(2 * bars[0].get_width())
+    assert bars[1].get_edgecolor()[:3] == pytest.approx(to_rgb(viz.rank_color(1)))
+    with pytest.raises(ValueError, match="no values"):
+        viz.show_bars([])
+    with pytest.raises(ValueError, match="0 or more"):
+        viz.show_bars([("negative", -1.0)])
