@@ -10,6 +10,7 @@ ddplab.launch.detect() reads the innermost launcher only, torchrun here.
 """
 
 import os
+import sys
 
 from ddplab.launch import detect
 
@@ -20,5 +21,8 @@ rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", rank))
 world_size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", world_size))
 
 found = detect()
-print(f"RANK={os.environ['RANK']}: the script thinks rank {rank} of {world_size}; "
-      f"detect() says rank {found.rank} of {found.world_size} ({found.launcher})")
+# One write per line: both workers share one output, and print() may write the text and its
+# newline separately, so two workers' lines could interleave.
+sys.stdout.write(f"RANK={os.environ['RANK']}: the script thinks rank {rank} of {world_size}; "
+                 f"detect() says rank {found.rank} of {found.world_size} ({found.launcher})\n")
+sys.stdout.flush()
