@@ -10,6 +10,11 @@ VENV        ?= .venv
 TORCH       ?= torch==2.13.0
 TORCH_INDEX ?=
 LAB_ARGS    ?=
+# Two test processes (pytest-xdist), each taking whole files, so a notebook's cells run in
+# order in one kernel. Much of the suite waits (for launchers, rendezvous, hang deadlines),
+# so two at once finish in about three quarters of the time even on two cores.
+# `make test PYTEST_ARGS=` runs everything in one process.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
 # Use the venv's Jupyter kernels and config before any in the user's home.
 export JUPYTER_PREFER_ENV_PATH = 1
@@ -20,7 +25,7 @@ STAMP := $(VENV)/.ddplab-setup
 .PHONY: help setup lab test lint notebooks clean
 
 help: ## list the targets
-	@echo "make <target>   (variables: PYTHON VENV TORCH TORCH_INDEX LAB_ARGS)"
+	@echo "make <target>   (variables: PYTHON VENV TORCH TORCH_INDEX LAB_ARGS PYTEST_ARGS)"
 	@awk -F ':.*## ' '/^[a-z]+:.*## / { printf "  %-10s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 setup: $(STAMP) ## create the venv with torch first, then ddplab[test] (instant once done)
@@ -37,7 +42,7 @@ lab: setup ## open JupyterLab on notebooks/ (pass more options with LAB_ARGS=...
 	$(VENV)/bin/ddplab lab $(LAB_ARGS)
 
 test: lint ## ruff, then the unit tests and nbval over every notebook
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: setup ## ruff check
 	$(VENV)/bin/ruff check .
