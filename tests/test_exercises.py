@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -41,12 +42,37 @@ def test_the_solution_passes(exercise_id):
     assert repr(feedback).startswith(f"✓ Exercise {exercise_id} passed")
 
 
+def _exercise_cells() -> dict[str, dict]:
+    """Each exercise's cell in the chapters, by exercise id."""
+    import nbformat  # here, not at the top: ranks import this module to run its attempts
+
+    cells = {}
+    for path in sorted(SOLUTIONS.parent.glob("[0-9]*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            found = re.search(r'^check\("(\d+\.\d+)"', cell.source, re.MULTILINE)
+            if cell.cell_type == "code" and found:
+                cells[found.group(1)] = cell
+    return cells
+
+
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
-def test_an_empty_attempt_fails_with_a_reason_and_a_hint(exercise_id):
-    feedback = check(exercise_id, empty_attempt)
+def test_each_chapter_checks_its_empty_attempt_and_shows_the_reason_and_the_hint(exercise_id):
+    """The chapters run each check on the learner's still-empty function; nbval re-runs them
+    and compares the verdict, so here it is enough that the committed one is a failure with
+    a reason and a hint (running every check again here would double its cost)."""
+    cell = _exercise_cells()[exercise_id]
+    assert re.search(r"^    \.\.\.$", cell.source, re.MULTILINE)  # the body left to write
+    (output,) = [o for o in cell.outputs if o.output_type == "execute_result"]
+    verdict = output.data["text/plain"]
+    assert verdict.startswith(f"✗ Exercise {exercise_id} not yet:")
+    assert "\n  Hint: " in verdict, verdict
+
+
+def test_an_empty_attempt_fails_with_a_reason_and_a_hint():
+    feedback = check("1.1", empty_attempt)
     assert not feedback.passed
     assert feedback.message and feedback.hint, repr(feedback)
-    assert repr(feedback).startswith(f"✗ Exercise {exercise_id} not yet:")
+    assert repr(feedback).startswith("✗ Exercise 1.1 not yet:")
 
 
 def test_check_explains_misuse():
