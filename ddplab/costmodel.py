@@ -1,0 +1,113 @@
+"""The α–β model: sending a message of m bytes takes α + m·β seconds.
+
+α is the **latency**, what every message costs however small it is (system calls, the
+network stack, the other side noticing it); β is the time per byte, the inverse of the
+**bandwidth**. Two numbers are enough to predict, before running it, how long each
+all-reduce algorithm of `ddplab.ring` takes on n ranks for a message of S bytes, because
+each is a known number of steps, each step one message per rank, all at once:
+
+- ring: 2(n − 1) steps of S/n bytes: 2(n − 1)·α + 2(n − 1)/n · S·β, nearly independent of
+  n for large S, which is why large all-reduces use it;
+- recursive doubling: log2(n) steps of S bytes: the fewest latencies, best for small S;
+- naive (through rank 0): rank 0 receives n − 1 messages of S, then sends n − 1: 2(n − 1)
+  times α + S·β, one after the other;
+- whole tensor ring: n − 1 steps of S bytes.
+
+The model leaves out the time to add the chunks and any contention between links; the
+chapter measures how far off that is. `ping_pong` measures α and β between two ranks of a
+pool (one-way time = half the round trip), `fit` draws the line through the measurements.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ALGORITHMS = ("ring", "recursive doubling", "naive", "whole tensor ring")
+
+
+@dataclass(frozen=True)
+class Model:
+    """α in seconds, β in seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second: 1/β."""
+        return 1 / self.beta if self.beta > 0 else math.inf
+
+    def message(self, nbytes: float) -> float:
+        """Seconds to send one message of `nbytes`."""
+        return self.alpha + nbytes * self.beta
+
+    def predict(self, algorithm: str, world_size: int, nbytes: float) -> float:
+        """Seconds `algorithm` takes to all-reduce `nbytes` over `world_size` ranks."""
+        n = world_size
+        if n < 1:
+            raise ValueError(f"world_size {n}: need at least one rank")
+        if algorithm == "ring":
+            return 2 * (n - 1) * self.message(nbytes / n)
+        if algorithm == "recursive doubling":
+            return math.log2(n) * self.message(nbytes)
+        if algorithm == "naive":
+            return 2 * (n - 1) * self.message(nbytes)
+        if algorithm == "whole tensor ring":
+            return (n - 1) * self.message(nbytes)
+        raise ValueError(f"algorithm {algorithm!r}: choose one of {ALGORITHMS}")
+
+
+def fit(sizes: Sequence[float], seconds: Sequence[float]) -> Model:
+    """The least-squares line through (size, one-way time): its intercept is α, its slope β.
+
+    Small messages pin down α, large ones β; with sizes spread over many powers of two, a
+    plain fit is dominated by the large ones, so each point is weighted by 1/time (a fit of
+    relative errors), which keeps the latency visible.
+    """
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError("fit needs at least two (size, seconds) measurements of equal count")
+    w = [1 / t**2 for t in seconds]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, sizes, strict=True)) / sw
+    my = sum(wi * y for wi, y in zip(w, seconds, strict=True)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, sizes, strict=True))
+    if sxx == 0:
+        raise ValueError("fit needs messages of at least two different sizes")
+    sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds, strict=True))
+    beta = max(sxy / sxx, 0.0)
+    return Model(alpha=max(my - beta * mx, 0.0), beta=beta)
+
+
+def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[float]:
+    """Run on every rank: ranks 0 and 1 bounce a message of each size; the others wait.
+
+    Returns, on every rank, the one-way time for each size (the median round trip over
+    `iters`, halved: the median shrugs off the odd round trip the machine interrupted).
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if dist.get_world_size() < 2:
+        raise ValueError("ping_pong needs two ranks: use a pool of 2 or more")
+    times = []
+    for size in sizes:
+        buffer = torch.zeros(max(size, 1), dtype=torch.uint8)
+        rounds = []
+        for i in range(warmup + iters):
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            elif rank == 1:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            if i >= warmup:
+                rounds.append(time.perf_counter() - start)
+        times.append(sorted(rounds)[len(rounds) // 2] / 2)
+    shared = torch.tensor(times, dtype=torch.float64)
+    dist.broadcast(shared, src=0)  # rank 0's clock measured the round trips
+    return shared.tolist()

@@ -1,0 +1,45 @@
+"""The α–β model: the fit recovers α and β, the predictions follow each algorithm's steps,
+and ping-pong on a real pool gives every rank the same measurements."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ddplab import Pool, costmodel
+from ddplab.costmodel import Model
+
+
+def test_the_fit_recovers_alpha_and_beta_from_a_line():
+    sizes = [2**k for k in range(3, 27)]
+    model = costmodel.fit(sizes, [20e-6 + s / 2e9 for s in sizes])
+    assert model.alpha == pytest.approx(20e-6, rel=1e-6)
+    assert model.bandwidth == pytest.approx(2e9, rel=1e-6)
+    with pytest.raises(ValueError, match="two different sizes"):
+        costmodel.fit([8, 8], [1e-5, 1e-5])
+    with pytest.raises(ValueError, match="at least two"):
+        costmodel.fit([8], [1e-5])
+
+
+def test_predictions_count_each_algorithms_steps_and_bytes():
+    m = Model(alpha=1e-5, beta=1e-9)
+    s, n = 1 << 20, 4
+    assert m.predict("ring", n, s) == pytest.approx(6 * (1e-5 + s / 4 * 1e-9))
+    assert m.predict("recursive doubling", n, s) == pytest.approx(2 * (1e-5 + s * 1e-9))
+    assert m.predict("naive", n, s) == pytest.approx(6 * (1e-5 + s * 1e-9))
+    assert m.predict("whole tensor ring", n, s) == pytest.approx(3 * (1e-5 + s * 1e-9))
+    # small messages: fewest latencies wins; large ones: fewest bytes
+    assert m.predict("recursive doubling", 8, 8) < m.predict("ring", 8, 8)
+    assert m.predict("ring", 8, 1 << 26) < m.predict("recursive doubling", 8, 1 << 26)
+    assert Model(1e-5, 0.0).bandwidth == math.inf
+    with pytest.raises(ValueError, match="choose one of"):
+        m.predict("tree", 4, 8)
+
+
+def test_ping_pong_on_a_pool_gives_every_rank_rank_0s_times():
+    with Pool(3, timeout=60) as pool:
+        results = pool.run(costmodel.ping_pong, [8, 1 << 22], iters=5, warmup=1)
+    assert results[0] == results[1] == results[2]
+    small, large = results[0]
+    assert 0 < small < large  # 4 MiB takes longer than 8 bytes, even on one machine
