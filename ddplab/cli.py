@@ -4,6 +4,9 @@
 and rendezvous are local, and a classroom laptop should not serve notebooks to the network).
 ``ddplab execute`` re-runs notebooks in place so that their committed outputs always come
 from the kit itself (see :mod:`ddplab.notebooks`).
+``ddplab bench`` times every collective at every message size on a pool, as NVIDIA's
+nccl-tests do (see :mod:`ddplab.bench`, which also runs under any launcher with
+``python -m ddplab.bench``).
 ``ddplab data download`` fetches the full MNIST set and verifies it; ``ddplab data info``
 describes the MNIST sample shipped in the package, or a downloaded set (see
 :mod:`ddplab.data`).
@@ -181,6 +184,24 @@ def _run_doctor(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+# --- ddplab bench --------------------------------------------------------------------------
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    # Its options live with the sweep (ddplab.bench, which imports torch): that module parses
+    # them, --help included, so this command stays as light as the package import.
+    sub.add_parser(
+        "bench", add_help=False,
+        help="time every collective at every message size on a pool (nccl-tests style)",
+    ).set_defaults(handler=_run_bench, passthrough=True)
+
+
+def _run_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    from ddplab.bench import pool_main
+
+    return pool_main(extra)
+
+
 # --- ddplab data -----------------------------------------------------------------------------
 
 
@@ -249,6 +270,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_lab,
     _add_execute,
     _add_doctor,
+    _add_bench,
     _add_data,
 )
 
