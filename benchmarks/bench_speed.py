@@ -1,6 +1,6 @@
 """Is an all_reduce in the pool as fast as under torchrun? busbw at 64 MiB, side by side.
 
-    python benchmarks/bench_speed.py [--world-size 2] [--repeats 5] [--size 64M]
+    python benchmarks/bench_speed.py [--world-size 2] [--repeats 5] [--size 64M] [--results FILE]
 
 The same measurement, `ddplab.bench.sweep(["all_reduce"], [size])` (warm-up, then timed
 runs, the slowest rank's average), runs in a ddplab Pool and under `torchrun --standalone`
@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ratio_table import report  # beside this script
 
 from ddplab import bench
 from ddplab.pool import Pool
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--size", default="64M", help="bytes, e.g. 64M (default)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--results", help="also write the table (markdown) to this file")
     args = parser.parse_args()
     size = bench.parse_size(args.size)
     samples: dict[str, list[float]] = {"pool": [], "torchrun": []}
@@ -68,11 +71,9 @@ def main() -> None:
     print(f"\nall_reduce of {args.size}B, world size {args.world_size}, 1 thread per rank, "
           f"{args.iters} timed runs each, {args.repeats} repeats "
           f"({time.perf_counter() - started:.0f} s in all)")
-    print("| measurement | medians | ratio |")
-    print("|---|---|---|")
-    print(f"| busbw: pool / torchrun | {pool_bw:.3f} GB/s / {torchrun_bw:.3f} GB/s | "
-          f"{pool_bw / torchrun_bw:.3f} |")
-
+    report([("busbw: pool / torchrun", f"{pool_bw:.3f} GB/s / {torchrun_bw:.3f} GB/s",
+             f"{pool_bw / torchrun_bw:.3f}")], markdown=args.results)
+    print(f"goal: at least 0.95; {'met' if pool_bw / torchrun_bw >= 0.95 else 'NOT met'}")
 
 if __name__ == "__main__":
     main()

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from ratio_table import report  # beside this script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 IMPORT_TORCH = "import time, torch; print(time.time())"
@@ -85,17 +87,10 @@ def main() -> None:
         ("fresh interpreter: `import torch`", f"{t:.2f} s", "1.00"),
         (f"fresh interpreter: `Pool({n})` to its first all_reduce", f"{p:.2f} s", f"{p / t:.2f}"),
     ]
-    width = max(len(r[0]) for r in rows)
-    print(f"{'measurement':<{width}}  {'median':<8}  ratio")
-    print("\n".join(f"{name:<{width}}  {median:<8}  {ratio}" for name, median, ratio in rows))
+    report(rows, figures="median", markdown=a.results)
     print(f"the kernel process imported torch in {sum(kernel_imported_torch)} of {a.repeats} "
           "pool samples")
     print(f"goal: at most 1.30; {'met' if p / t <= 1.3 else 'NOT met'}")
-    if a.results:
-        with open(a.results, "w") as f:
-            f.write("| measurement | median | ratio |\n|---|---|---|\n")
-            f.writelines(f"| {name} | {median} | {ratio} |\n" for name, median, ratio in rows)
-
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,8 @@ import sys
 import time
 from multiprocessing import Pipe, Process
 
+from ratio_table import report  # beside this script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -193,15 +195,7 @@ def main() -> None:
         ("no-op round trip: pool.run / bare pipe round trip",
          f"{pool_ms:.3f} ms / {pipe_ms:.3f} ms", f"{pool_ms / pipe_ms:.1f}"),
     ]
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'measurement':<{width}}  {'medians':<24}  ratio"]
-    lines += [f"{name:<{width}}  {figures:<24}  {ratio}" for name, figures, ratio in rows]
-    print("\n".join(lines))
-    if a.results:
-        with open(a.results, "w") as f:
-            f.write("| measurement | medians | ratio |\n|---|---|---|\n")
-            f.writelines(f"| {n} | {fig} | {r} |\n" for n, fig, r in rows)
-
+    report(rows, markdown=a.results)
 
 if __name__ == "__main__":
     main()

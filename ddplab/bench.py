@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ddplab.collectives import group_device
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -94,10 +96,10 @@ def message_sizes(smallest: int = MIN_BYTES, largest: int = MAX_BYTES,
 
 def _operation(op: str, nbytes: int, dtype: torch.dtype,
                device: torch.device) -> tuple[Callable[[], object], int]:
-    """A function running `op` once on buffers of about `nbytes`, and the buffer's true size."""
+    """A function running `op` once on buffers of about `nbytes`, and the elements in the
+    whole buffer (nccl-tests' count)."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    whole = max(nbytes // itemsize, 1)
+    whole = max(nbytes // dtype.itemsize, 1)
     per_rank = max(whole // n, 1)
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         whole = per_rank * n  # whole elements on every rank
@@ -107,19 +109,19 @@ def _operation(op: str, nbytes: int, dtype: torch.dtype,
 
     if op == "all_reduce":
         x = buffer(whole)
-        return (lambda: dist.all_reduce(x)), whole * itemsize
+        return (lambda: dist.all_reduce(x)), whole
     if op == "broadcast":
         x = buffer(whole)
-        return (lambda: dist.broadcast(x, src=0)), whole * itemsize
+        return (lambda: dist.broadcast(x, src=0)), whole
     if op == "all_gather":
         x, out = buffer(per_rank), buffer(whole)
-        return (lambda: dist.all_gather_single(out, x)), whole * itemsize
+        return (lambda: dist.all_gather_single(out, x)), whole
     if op == "reduce_scatter":
         x, out = buffer(whole), buffer(per_rank)
-        return (lambda: dist.reduce_scatter_single(out, x)), whole * itemsize
+        return (lambda: dist.reduce_scatter_single(out, x)), whole
     if op == "all_to_all":
         x, out = buffer(whole), buffer(whole)
-        return (lambda: dist.all_to_all_single(out, x)), whole * itemsize
+        return (lambda: dist.all_to_all_single(out, x)), whole
     if op == "send_recv":  # a ring: send to the right, receive from the left, at once
         x, out = buffer(whole), buffer(whole)
 
@@ -129,7 +131,7 @@ def _operation(op: str, nbytes: int, dtype: torch.dtype,
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
 
-        return send_recv, whole * itemsize
+        return send_recv, whole
     raise ValueError(f"collective {op!r}: choose one of {OPS}")
 
 
@@ -143,8 +145,8 @@ def measure(op: str, nbytes: int, *, iters: int = 20, warmup: int = 5,
     """Time `op` on about `nbytes` on every rank of the default group (call it on all)."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters {iters}, warmup {warmup}: need iters >= 1 and warmup >= 0")
-    device = _device()
-    run, true_bytes = _operation(op, nbytes, dtype, device)
+    device = group_device()
+    run, count = _operation(op, nbytes, dtype, device)
     for _ in range(warmup):
         run()
     _sync(device)
@@ -156,16 +158,8 @@ def measure(op: str, nbytes: int, *, iters: int = 20, warmup: int = 5,
     mine = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64,
                         device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the collective ends with its slowest rank
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return Result(op, true_bytes, true_bytes // itemsize, str(dtype).removeprefix("torch."),
+    return Result(op, count * dtype.itemsize, count, str(dtype).removeprefix("torch."),
                   dist.get_world_size(), mine.item())
-
-
-def _device() -> torch.device:
-    """The device the group's backend works on (NCCL: this rank's GPU, chosen at init)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def check(ops: Sequence[str], dtype: str) -> None:

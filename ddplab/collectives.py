@@ -79,8 +79,9 @@ def make_input(spec: Spec, rank: int, world_size: int) -> torch.Tensor:
     return flat.reshape(rows, spec.length) if rows > 1 else flat
 
 
-def _device() -> torch.device:
-    """NCCL moves only GPU tensors: each rank uses the GPU the pool bound it to."""
+def group_device() -> torch.device:
+    """Where the default group's tensors must live: NCCL moves only GPU tensors, each rank's
+    on the GPU bound to it when the group started (the pool's or a launcher's); gloo, CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -93,7 +94,7 @@ def run_on_rank(spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
     tensor as "after": what their buffer holds then is scratch space, not an answer.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = _device()
+    device = group_device()
     x = make_input(spec, rank, world).to(device)
     before = x.clone()
     op = getattr(dist.ReduceOp, spec.op)
