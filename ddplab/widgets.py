@@ -1,7 +1,8 @@
-"""`CollectiveExplorer`: pick a collective and its settings, see it run on the live pool.
+"""Panels for the live lab: the collective explorer and the ring stepper.
 
-    from ddplab.widgets import CollectiveExplorer
+    from ddplab.widgets import CollectiveExplorer, RingStepper
     CollectiveExplorer(pool)          # a cell ending with it shows the panel
+    RingStepper(4)                    # a slider over the steps of a ring all-reduce
 
 Every change of a control runs the real collective on every rank of the pool (a few
 milliseconds on a warm pool) and redraws the before/after picture, so a learner can ask
@@ -21,11 +22,11 @@ from functools import cached_property
 import ipywidgets as widgets
 import torch
 
-from ddplab import collectives
+from ddplab import collectives, ring
 from ddplab.collectives import COLLECTIVES, REDUCE_OPS, REDUCING, ROOTED, VALUES, Spec
 from ddplab.errors import RankError
 from ddplab.pool import Pool
-from ddplab.viz import png_bytes
+from ddplab.viz import png_bytes, show_transfers
 
 TIMEOUT = 10.0  # seconds: a collective on a few values takes milliseconds
 
@@ -139,3 +140,70 @@ class CollectiveExplorer(widgets.VBox):
         return (f"CollectiveExplorer({spec.collective}, op={spec.op}, root={spec.root}, "
                 f"length={spec.length}, values={spec.values!r}, "
                 f"{self.pool.world_size} ranks)")
+
+
+class RingStepper(widgets.VBox):
+    """A slider over the steps of the ring all-reduce on `world_size` ranks.
+
+    The steps come from `ring.play`, the same schedule that `ring.all_reduce` runs on the
+    ranks, so the picture at each step is what the rank code does at that step. Rank r
+    starts with 10·r + c in chunk c (so every sum is readable), or with `inputs`. No pool
+    is needed: the schedule is plain arithmetic. `show(step)` moves the slider and returns
+    that step's figure, for a fixed picture beside the live panel.
+    """
+
+    def __init__(self, world_size: int = 4, inputs: list[list[float]] | None = None) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or \
+                not 2 <= world_size <= 8:
+            raise ValueError(f"world_size {world_size!r}: the stepper draws rings of 2 to 8 "
+                             "ranks")
+        n = world_size
+        self.world_size = n
+        self.states = ring.play(inputs or [[10 * r + c for c in range(n)] for r in range(n)])
+        self.step = widgets.IntSlider(value=0, min=0, max=len(self.states) - 1,
+                                      description="step", continuous_update=False)
+        self.caption = widgets.HTML()
+        self.image = widgets.Image(format="png", layout=widgets.Layout(
+            align_self="flex-start", max_width="100%"))
+        self.step.observe(lambda change: self._draw(), names="value")
+        super().__init__([self.step, self.caption, self.image])
+        self._draw()
+
+    def describe(self, step: int) -> str:
+        """What happens at `step` (0 is the start), in words."""
+        n, last = self.world_size, len(self.states) - 1
+        if step == 0:
+            return f"start: each of the {n} ranks holds its own {n} chunks"
+        if step < n:
+            what = (f"reduce-scatter {step} of {n - 1}: each rank sends one chunk to its "
+                    "right neighbour and adds the chunk it receives")
+            if step == n - 1:
+                what += "; now each rank holds one chunk summed over all ranks"
+            return what
+        what = (f"all-gather {step - n + 1} of {n - 1}: each rank passes a finished chunk "
+                "on; the receiver replaces its copy")
+        if step == last:
+            what += "; every rank holds every sum"
+        return what
+
+    def figure(self, step: int):
+        """The picture of `step`: what each rank holds after it, and its messages."""
+        state = self.states[step]
+        return show_transfers(state.values, state.moves, state.owners,
+                              title=f"step {step} of {len(self.states) - 1}")
+
+    def show(self, step: int):
+        """Move the slider to `step` and return its figure."""
+        if not 0 <= step < len(self.states):
+            raise ValueError(f"step {step}: choose 0 to {len(self.states) - 1}")
+        self.step.value = step
+        return self.figure(step)
+
+    def _draw(self) -> None:
+        step = self.step.value
+        self.caption.value = f"<b>{html.escape(self.describe(step))}</b>"
+        self.image.value = png_bytes(self.figure(step))
+
+    def __repr__(self) -> str:  # what nbval compares: never widget ids
+        return (f"RingStepper({self.world_size} ranks, step {self.step.value} of "
+                f"{len(self.states) - 1})")

@@ -1,9 +1,11 @@
-"""The collective explorer in a real JupyterLab, in a real (headless) Chromium.
+"""The collective explorer and the ring stepper in a real JupyterLab, in a real (headless)
+Chromium.
 
 `test_widgets.py` drives the widget objects in-process; this test checks what only a
-browser can: that the lab's front end renders the panel, that choosing a collective in
+browser can: that the lab's front end renders the panels, that choosing a collective in
 the dropdown reaches the kernel, runs on the ranks and comes back as a new picture and new
-tensors, and that closing the lab leaves no rank behind.
+tensors, that moving the stepper's slider redraws the ring's step, and that closing the
+lab leaves no rank behind.
 
 It needs Debian's `chromium` and `chromium-driver` (CI's `.ci/run` installs them and sets
 DDPLAB_REQUIRE_BROWSER=1, which turns a missing browser into a failure, not a skip).
@@ -43,13 +45,19 @@ from ddplab.widgets import CollectiveExplorer
 pool = Pool(2)
 CollectiveExplorer(pool)"""
 
+STEPPER = """\
+from ddplab.widgets import RingStepper
+
+RingStepper(3)"""
+
 
 @pytest.fixture
 def lab(tmp_path: Path, start_lab):
     """`ddplab lab` serving a notebook that shows the explorer."""
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL)])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL),
+                                         nbformat.v4.new_code_cell(STEPPER)])
     nb.metadata["kernelspec"] = {"display_name": "Python 3 (ipykernel)",
                                  "language": "python", "name": "python3"}
     nbformat.write(nb, notebooks / "explorer.ipynb")
@@ -113,7 +121,15 @@ def _panel_text(driver) -> str:
                                                          ".widget-html-content pre"))
 
 
-def test_the_explorer_runs_collectives_from_a_real_lab(lab, browser, tmp_path):
+def _caption(driver) -> str:
+    """The stepper's caption, read in one script call: a redraw replaces its element, which
+    would turn a reference held across two calls stale."""
+    return driver.execute_script("return Array.from(document.querySelectorAll("
+                                 "'.widget-html-content b')).map(e => e.textContent)"
+                                 ".join(' ')")
+
+
+def test_the_explorer_and_the_stepper_work_in_a_real_lab(lab, browser, tmp_path):
     server = lab.server
     browser.get(lab.url("/lab/tree/explorer.ipynb"))
     wait = WebDriverWait(browser, 90)
@@ -143,6 +159,18 @@ def test_the_explorer_runs_collectives_from_a_real_lab(lab, browser, tmp_path):
     code = browser.find_element(By.CSS_SELECTOR, ".widget-html-content code")
     assert code.text == "dist.reduce_scatter(x, chunks)"
     browser.save_screenshot(str(tmp_path / "explorer.png"))
+
+    # The stepper: the arrow key on its slider moves one step, and the picture follows.
+    wait.until(lambda d: "start: each of the 3 ranks" in _caption(d))
+    step_picture = browser.find_elements(By.CSS_SELECTOR, ".jupyter-widgets img")[-1]
+    start_src = step_picture.get_attribute("src")
+    handle = browser.find_elements(By.CSS_SELECTOR, ".widget-slider .noUi-handle")[-1]
+    handle.click()
+    handle.send_keys(Keys.ARROW_RIGHT)
+    wait.until(lambda d: "reduce-scatter 1 of 2" in _caption(d))
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jupyter-widgets img")[-1]
+               .get_attribute("src") != start_src)
+    browser.save_screenshot(str(tmp_path / "stepper.png"))
 
     ranks = [p for p in psutil.Process(server.pid).children(recursive=True)
              if "ipykernel" not in " ".join(p.cmdline())]

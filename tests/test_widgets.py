@@ -122,3 +122,39 @@ def test_a_failing_collective_is_shown_in_the_panel_not_raised(pool, explorer):
     finally:
         pool.restart()
     assert explorer.update() is not None
+
+
+# --- the ring stepper: a slider over ring.play's states, no pool needed ---
+
+def test_the_ring_stepper_draws_each_step_of_the_schedule():
+    from ddplab import ring
+    from ddplab.widgets import RingStepper
+
+    stepper = RingStepper(3)
+    assert repr(stepper) == "RingStepper(3 ranks, step 0 of 4)"
+    assert stepper.step.max == 4 == 2 * (3 - 1)
+    assert "start" in stepper.caption.value
+    first = stepper.image.value
+    assert bytes(first).startswith(PNG)
+
+    stepper.step.value = 2  # what a learner's drag does: the observer redraws
+    assert "reduce-scatter 2 of 2" in stepper.caption.value
+    assert "summed over all ranks" in stepper.caption.value
+    assert stepper.image.value != first
+    # The picture's state is play()'s: rank 0 finished chunk 1 after the reduce-scatter.
+    assert stepper.states == ring.play([[10 * r + c for c in range(3)] for r in range(3)])
+    assert stepper.states[2].values[0][1] == sum(10 * r + 1 for r in range(3))
+
+    stepper.show(4)
+    assert stepper.step.value == 4 and "every rank holds every sum" in stepper.caption.value
+    assert all(row == [30, 33, 36] for row in stepper.states[4].values)
+
+
+@pytest.mark.parametrize("bad", [1, 9, 2.0, True])
+def test_the_ring_stepper_refuses_sizes_it_cannot_draw(bad):
+    from ddplab.widgets import RingStepper
+
+    with pytest.raises(ValueError, match="2 to 8 ranks"):
+        RingStepper(bad)
+    with pytest.raises(ValueError, match="choose 0 to 2"):
+        RingStepper(2).show(3)
