@@ -15,7 +15,8 @@ each is a known number of steps, each step one message per rank, all at once:
 
 The model leaves out the time to add the chunks and any contention between links; the
 chapter measures how far off that is. `ping_pong` measures α and β between two ranks of a
-pool (one-way time = half the round trip), `fit` draws the line through the measurements.
+pool (one-way time = half the round trip), `fit` draws the line through the measurements,
+and `time_all_reduce` times each algorithm on the ranks, to hold against `predict`.
 """
 
 from __future__ import annotations
@@ -111,3 +112,101 @@ def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[fl
     shared = torch.tensor(times, dtype=torch.float64)
     dist.broadcast(shared, src=0)  # rank 0's clock measured the round trips
     return shared.tolist()
+
+
+def time_all_reduce(algorithm: str, nbytes: int, iters: int = 10, warmup: int = 2) -> float:
+    """Run on every rank: seconds one all-reduce of `nbytes` takes with `algorithm` (one of
+    `ddplab.ring.ALGORITHMS`, or "gloo" for `dist.all_reduce` itself).
+
+    Each run starts together (a barrier) and ends with the slowest rank (MAX over ranks),
+    as a collective does; the median over `iters` runs is returned on every rank.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ddplab import ring
+
+    if algorithm == "gloo":
+        def run(t):
+            dist.all_reduce(t)
+    elif algorithm in ring.ALGORITHMS:
+        run = ring.ALGORITHMS[algorithm]
+    else:
+        raise ValueError(f"algorithm {algorithm!r}: choose one of "
+                         f"{['gloo', *ring.ALGORITHMS]}")
+    tensor = torch.ones(max(nbytes // 4, 1))
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        start = time.perf_counter()
+        run(tensor)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.median().item()
+
+
+# --- pictures (matplotlib is imported here only: ranks import this module) ---------------
+
+
+def _log_axes(fig, ylabel: str):
+    """Log-log axes with plain numbers on the time axis (0.5, 2, 100, not 5×10⁻¹)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax = fig.add_subplot()
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.25)
+    return ax
+
+
+def _between(sizes: Sequence[float], points: int = 60) -> list[float]:
+    """Sizes spread evenly on a log scale over `sizes`' range: a model's line is smooth."""
+    low, high = math.log2(min(sizes)), math.log2(max(sizes))
+    return [2 ** (low + (high - low) * k / (points - 1)) for k in range(points)]
+
+
+def plot_fit(sizes: Sequence[float], seconds: Sequence[float], model: Model):
+    """The ping-pong measurements (points) and the fitted α + m·β (line), log-log."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 3.8), dpi=100)
+    ax = _log_axes(fig, "one-way time (µs)")
+    ax.plot(sizes, [t * 1e6 for t in seconds], "o", ms=5, color="#333333",
+            label="measured (median of the round trips, halved)")
+    line = _between(sizes)
+    ax.plot(line, [model.message(m) * 1e6 for m in line], "-", color="#D55E00",
+            label=f"α + m·β: α = {model.alpha * 1e6:.0f} µs, "
+                  f"1/β = {model.bandwidth / 1e9:.2f} GB/s")
+    ax.legend(fontsize=9, frameon=False, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_predictions(model: Model, world_size: int,
+                     measured: dict[str, Sequence[tuple[int, float]]]):
+    """For each algorithm: the model's prediction (line) and the measured time (points) of
+    an all-reduce on `world_size` ranks, against message size, log-log."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 4.2), dpi=100)
+    ax = _log_axes(fig, "all-reduce time (ms)")
+    colors = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#555555"]
+    for color, (algorithm, points) in zip(colors, measured.items(), strict=False):
+        sizes = [size for size, _ in points]
+        ax.plot(sizes, [t * 1e3 for _, t in points], "o", ms=5, color=color,
+                label=f"{algorithm}: measured")
+        if algorithm in ALGORITHMS:
+            line = _between(sizes)
+            ax.plot(line, [model.predict(algorithm, world_size, s) * 1e3 for s in line],
+                    "-", color=color, alpha=0.8, label=f"{algorithm}: predicted")
+    ax.set_title(f"{world_size} ranks: lines are the α–β model, points the measurements",
+                 fontsize=10, loc="left")
+    ax.legend(fontsize=8, frameon=False, ncol=2, loc="upper left")
+    fig.tight_layout()
+    return fig

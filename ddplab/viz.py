@@ -720,66 +720,143 @@ def show_flight(dumps: dict, *, last: int = 5, title: str | None = None) -> Figu
 
 @dataclass(frozen=True)
 class Span:
-    """A stretch of one rank's time: working (solid) or waiting in a collective (hatched)."""
+    """A stretch of one rank's time: working (solid) or waiting in a collective (hatched).
+
+    `lane` splits a rank's row in two or more ("backward", "all_reduce") where things
+    happen at the same time on one rank, as DDP's communication overlaps its computation.
+    """
 
     rank: int
     start: float  # seconds, on a clock all ranks share (time.monotonic() on one machine)
     end: float
     label: str
     waiting: bool = False
+    lane: str = ""
+
+
+def _time_step(length: float) -> float:
+    """A round tick spacing giving about five ticks over `length` seconds: whole seconds
+    from 5 s up, 1, 2 or 5 times a power of ten below."""
+    if length >= 5:
+        return max(1, round(length / 5))
+    raw = max(length, 1e-9) / 5
+    power = 10 ** np.floor(np.log10(raw))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+
+
+def _time_text(seconds: float, step: float) -> str:
+    if step >= 1:
+        return f"{seconds:g} s"
+    return f"{seconds * 1e3:.{max(0, -int(np.floor(np.log10(step * 1e3))))}f} ms"
 
 
 def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]] = (), *,
                   title: str | None = None) -> Figure:
-    """What each rank did, and when: one lane per rank, time from left to right.
+    """What each rank did, and when: one lane per rank (or per rank and `Span.lane`), time
+    from left to right.
 
     Working spans are solid in the rank's colour, waiting spans (inside a collective that
     others have not joined) hatched; `marks` are (rank, time, text) events such as an
     error, drawn as a red cross with the text beside it. Times are shifted so the first
-    span starts at 0.
+    span starts at 0; the axis counts seconds, or milliseconds for a timeline under 5 s.
     """
     if not spans:
         raise ValueError("no spans to draw")
     t0 = min(s.start for s in spans)
     t1 = max([s.end for s in spans] + [t for _, t, _ in marks])
-    ranks = sorted({s.rank for s in spans} | {r for r, _, _ in marks})
-    lane, left, scale = 0.55, 0.9, 9.0 / max(t1 - t0, 1e-9)
+    lanes = sorted({(s.rank, s.lane) for s in spans} | {(r, "") for r, _, _ in marks
+                                                         if not any(s.rank == r for s in spans)})
+    named = any(lane for _, lane in lanes)
+    lane, left, scale = 0.55, 0.9 + (1.0 if named else 0), 9.0 / max(t1 - t0, 1e-9)
     top = 0.25 + (0.35 if title else 0)
-    width, height = left + 9.0 + 1.9, top + lane * len(ranks) + 0.75
+    width, height = left + 9.0 + 1.9, top + lane * len(lanes) + 0.75
     canvas = _Canvas(width, height, CELL, title)
     ax = canvas.ax
 
     def x(t: float) -> float:
         return left + (t - t0) * scale
 
-    def y(rank: int) -> float:
-        return height - top - (ranks.index(rank) + 1) * lane
+    def y(rank: int, name: str = "") -> float:
+        where = (rank, name) if (rank, name) in lanes else next(k for k in lanes if k[0] == rank)
+        return height - top - (lanes.index(where) + 1) * lane
 
-    for rank in ranks:
-        ax.text(left - 0.1, y(rank) + lane / 2, f"rank {rank}", ha="right", va="center",
-                fontsize=FONT, fontweight="bold", color=_readable(rank_color(rank)))
+    for rank, name in lanes:
+        ax.text(left - 0.1, y(rank, name) + lane / 2, f"rank {rank}" + (f" · {name}" if name
+                                                                        else ""),
+                ha="right", va="center", fontsize=FONT, fontweight="bold",
+                color=_readable(rank_color(rank)))
     for s in spans:
         color = rank_color(s.rank)
-        ax.add_patch(Rectangle((x(s.start), y(s.rank) + 0.1), max((s.end - s.start) * scale,
-                                                                  0.02), lane - 0.2,
+        ax.add_patch(Rectangle((x(s.start), y(s.rank, s.lane) + 0.1),
+                               max((s.end - s.start) * scale, 0.02), lane - 0.2,
                                fc=tint(color, 0.8 if s.waiting else 0.35), ec=color,
                                hatch="///" if s.waiting else None, lw=0.8))
         if (s.end - s.start) * scale > 0.075 * len(s.label) + 0.15:  # only where it fits
-            ax.text(x(s.start) + 0.05, y(s.rank) + lane / 2, s.label, ha="left", va="center",
-                    fontsize=FONT - 1,
+            ax.text(x(s.start) + 0.05, y(s.rank, s.lane) + lane / 2, s.label, ha="left",
+                    va="center", fontsize=FONT - 1,
                     bbox={"fc": "white", "ec": "none", "alpha": 0.75, "pad": 1})
     for rank, t, text in marks:
         ax.plot([x(t)], [y(rank) + lane / 2], marker="x", ms=9, mew=2.2, color="#C00000")
         ax.text(x(t) + 0.12, y(rank) + lane / 2, text, ha="left", va="center",
                 fontsize=FONT - 1, color="#C00000")
-    base = height - top - lane * len(ranks) - 0.05
+    base = height - top - lane * len(lanes) - 0.05
     ax.plot([left, left + 9.0], [base, base], color="#555555", lw=0.8)
-    step = max(1, round((t1 - t0) / 5))
-    for k in range(int((t1 - t0) // step) + 1):
+    step = _time_step(t1 - t0)
+    for k in range(int((t1 - t0) / step + 1e-9) + 1):
         ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
-        ax.text(x(t0 + k * step), base - 0.1, f"{k * step:g} s", ha="center", va="top",
-                fontsize=FONT - 1)
+        ax.text(x(t0 + k * step), base - 0.1, _time_text(k * step, step), ha="center",
+                va="top", fontsize=FONT - 1)
     return canvas.fig
+
+
+def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]]]], *,
+                 title: str | None = None) -> Figure:
+    """DDP's gradient buckets: one bar per layout, its parameters to scale by bytes.
+
+    `layouts` is a list of (label, buckets); each bucket a list of (parameter name, bytes)
+    in the order DDP fills it. Buckets alternate shades with a thick border between them,
+    and the bar reads left to right in the order the buckets are all-reduced; each bucket
+    says its size below it, each parameter its name where it fits.
+    """
+    if not layouts or any(not buckets for _, buckets in layouts):
+        raise ValueError("show_buckets needs at least one layout, each with a bucket")
+    row, left, length = 0.95, max(len(label) for label, _ in layouts) * 0.085 + 0.4, 11.0
+    top = 0.2 + (0.35 if title else 0)
+    width, height = max(left + length + 0.3, _title_width(title)), top + row * len(layouts)
+    canvas = _Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    total = max(sum(b for bucket in buckets for _, b in bucket) for _, buckets in layouts)
+    scale = length / total
+    for i, (label, buckets) in enumerate(layouts):
+        y = height - top - (i + 1) * row + 0.35
+        ax.text(left - 0.12, y + 0.22, label, ha="right", va="center", fontsize=FONT)
+        x = left
+        for k, bucket in enumerate(buckets):
+            color = rank_color(k)
+            start = x
+            for name, nbytes in bucket:
+                w = nbytes * scale
+                ax.add_patch(Rectangle((x, y), max(w, 0.01), 0.44, fc=tint(color, 0.45),
+                                       ec="white", lw=0.6))
+                if w > 0.075 * len(name) + 0.1:
+                    ax.text(x + w / 2, y + 0.22, name, ha="center", va="center",
+                            fontsize=FONT - 2)
+                x += w
+            ax.add_patch(Rectangle((start, y), max(x - start, 0.01), 0.44, fc="none",
+                                   ec=color, lw=1.8))
+            size = sum(b for _, b in bucket)
+            text = f"bucket {k}: {_bytes_text(size)}"
+            if x - start > 0.075 * len(text):
+                ax.text((start + x) / 2, y - 0.06, text, ha="center", va="top",
+                        fontsize=FONT - 1, color=_readable(color))
+    return canvas.fig
+
+
+def _bytes_text(nbytes: int) -> str:
+    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",

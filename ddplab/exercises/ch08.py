@@ -1,0 +1,163 @@
+"""Chapter 8 exercises: the chunked ring by hand, busbw from a time, DDP's bucket layout.
+
+8.1 runs the learner's ring on real ranks with their sends counted: the sum must be exact
+and the busiest rank must send no more than the chunked ring's 2(n − 1)/n · S, so the
+whole-tensor ring and the naive all-reduce, both correct, are told apart from the real
+thing. 8.2 is arithmetic, held against `ddplab.bench`'s own factors. 8.3 holds the
+learner's predicted buckets against what a real DDP on two ranks reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from ddplab.exercises import exercise, expect, ranks, run_in_time, show
+
+DEADLINE = 5.0
+"""Seconds an attempt may take on the ranks: a correct ring takes milliseconds."""
+
+# --- 8.1 the chunked ring all-reduce, from isend/irecv ---
+
+RING_SIZES = (300, 10)
+"""Elements of the int64 tensor summed: one that 3 ranks divide evenly (the byte count is
+checked there), one they do not (chunks of 4, 3 and 3: the sum must still be exact)."""
+
+SENDS = ("send", "isend")
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_single",
+               "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
+               "scatter")
+"""What 8.1 may not call: the point is to build the all-reduce from point-to-point."""
+
+
+@contextlib.contextmanager
+def counting_sends(sent: list[int], used: list[str]) -> Iterator[None]:
+    """On a rank: add the bytes of every tensor sent to `sent`, the name of every
+    collective called to `used`, for the duration of the block.
+
+    The wrappers replace the functions both in `torch.distributed` (what `dist.isend`
+    finds) and in `distributed_c10d` itself, so `P2POp(dist.isend, ...)` and
+    `batch_isend_irecv`, which check an op against c10d's own `isend`, accept them.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    def counted(name: str, original: Callable) -> Callable:
+        def send(*args, **kwargs):
+            tensor = kwargs.get("tensor", args[0] if args else None)
+            sent.append(tensor.numel() * tensor.element_size())
+            return original(*args, **kwargs)
+        return send
+
+    def recorded(name: str, original: Callable) -> Callable:
+        def collective(*args, **kwargs):
+            used.append(name)
+            return original(*args, **kwargs)
+        return collective
+
+    saved = {name: getattr(dist, name) for name in SENDS + COLLECTIVES if hasattr(dist, name)}
+    try:
+        for name, original in saved.items():
+            wrapper = (counted if name in SENDS else recorded)(name, original)
+            setattr(dist, name, wrapper)
+            if getattr(c10d, name, None) is original:
+                setattr(c10d, name, wrapper)
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+            if hasattr(c10d, name):
+                setattr(c10d, name, original)
+
+
+def ring_on_rank(attempt: Callable, numel: int) -> tuple[list[int], list[int], int, list[str]]:
+    """On a rank: the learner's all-reduce on rank-dependent integers, with sends counted.
+    Returns (the result, what it should be, bytes this rank sent, collectives called)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    tensor = torch.arange(numel, dtype=torch.int64) * (rank + 1) + 1000 * rank
+    want = sum(torch.arange(numel, dtype=torch.int64) * (r + 1) + 1000 * r for r in range(n))
+    sent: list[int] = []
+    used: list[str] = []
+    with counting_sends(sent, used):
+        attempt(tensor)
+    return tensor.tolist(), want.tolist(), sum(sent), used
+
+
+@exercise("8.1", "The chunked ring all-reduce from isend and irecv", solution="ring_all_reduce",
+          hint="cut the tensor into n chunks with tensor.view(-1).tensor_split(n) (views: "
+               "adding into them changes the tensor). For n − 1 steps, send one chunk to the "
+               "right neighbour and add the chunk from the left into yours (which chunk: "
+               "(rank − step) mod n goes out); then n − 1 more steps passing the finished "
+               "chunks on. Post the send and the receive together (isend and irecv, then "
+               "wait on both).")
+def check_ring(ring_all_reduce: Callable) -> str:
+    world = 3
+    with ranks(world) as pool:
+        for numel in RING_SIZES:
+            got = run_in_time(
+                pool, ring_on_rank, ring_all_reduce, numel, deadline=DEADLINE,
+                meaning="Around a ring every rank sends to one neighbour while receiving "
+                        "from the other: if each first waits for its send to be received, "
+                        "all of them wait at once.",
+                hint="post the send and the receive before waiting on either: isend and "
+                     "irecv (or batch_isend_irecv), then .wait() on both.")
+            used = sorted({name for *_, names in got for name in names})
+            expect(not used, f"your function called {', '.join(used)}: build the "
+                             "all-reduce from sends and receives only.",
+                   "use dist.isend and dist.irecv (or dist.batch_isend_irecv) between "
+                   "neighbours, no collectives.")
+            wrong = {r: result for r, (result, want, _, _) in enumerate(got) if result != want}
+            if wrong:
+                rank, result = next(iter(wrong.items()))
+                expect(False, f"for {numel} int64 elements on {world} ranks, rank {rank} "
+                              f"ended with {show(result[:6])}... instead of "
+                              f"{show(got[rank][1][:6])}...",
+                       "the result must land in the tensor you were given (in place): "
+                       "reduce into views of it, and check the chunk each step sends and "
+                       "receives.")
+            if numel % world == 0:
+                size = numel * 8
+                busiest = max(sent for *_, sent, _ in got)
+                ring = 2 * (world - 1) * size // world
+                expect(busiest <= ring,
+                       f"the sum is right, but a rank sent {busiest} bytes for a tensor of "
+                       f"{size} bytes on {world} ranks; the chunked ring sends "
+                       f"2(n − 1)/n · S = {ring}.",
+                       "sending whole tensors costs (n − 1) · S: send one chunk of S/n per "
+                       "step, 2(n − 1) steps in all.")
+    return (f"exact sums on {world} ranks (also with uneven chunks), and each rank sent "
+            f"2(n − 1)/n · S = {2 * (world - 1) * RING_SIZES[0] * 8 // world} bytes for "
+            f"S = {RING_SIZES[0] * 8}.")
+
+
+# --- 8.2 busbw from a measured time ---
+
+BUSBW_CASES = [("all_reduce", 64 << 20, 0.0125, 4), ("all_reduce", 1 << 20, 0.001, 2),
+               ("all_gather", 16 << 20, 0.004, 8), ("reduce_scatter", 16 << 20, 0.002, 4),
+               ("broadcast", 4 << 20, 0.0005, 8), ("send_recv", 8 << 20, 0.001, 2),
+               ("all_to_all", 32 << 20, 0.01, 4)]
+"""(collective, bytes, seconds, world size): every factor of nccl-tests, several n."""
+
+
+@exercise("8.2", "Bus bandwidth from a measured time", solution="busbw",
+          hint="algbw = bytes / seconds / 1e9 (nccl-tests' GB/s are 10⁹ bytes). Then "
+               "busbw = algbw × 2(n − 1)/n for all_reduce; (n − 1)/n for all_gather, "
+               "reduce_scatter and all_to_all; 1 for broadcast and send_recv.")
+def check_busbw(busbw: Callable) -> str:
+    from ddplab.bench import Result
+
+    for op, nbytes, seconds, n in BUSBW_CASES:
+        want = Result(op, nbytes, nbytes // 4, "float32", n, seconds).busbw
+        got = busbw(op, nbytes, seconds, n)
+        expect(isinstance(got, (int, float)),
+               f"busbw({op!r}, {nbytes}, {seconds}, {n}) returned {got!r}; return a "
+               "number of GB/s.")
+        expect(abs(got - want) <= 1e-6 * want,
+               f"busbw({op!r}, {nbytes}, {seconds}, {n}) returned {got:.4g} GB/s; nccl-tests "
+               f"would print {want:.4g}.")
+    return (f"{len(BUSBW_CASES)} measurements, every factor of nccl-tests: your busbw "
+            "matches theirs.")

@@ -1,0 +1,36 @@
+"""Instructor solutions for chapter 8 (under the hood).
+
+One function per exercise, named as the exercise's `solution`; `tests/test_exercises.py`
+checks that each passes `check("8.N", ...)`. Learners: try first, then compare.
+"""
+
+import torch.distributed as dist
+
+
+def ring_all_reduce(tensor):
+    """Exercise 8.1: reduce-scatter then all-gather around the ring, one chunk per step."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.view(-1).tensor_split(n)  # views: adding into them changes `tensor`
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        if step < n - 1:  # reduce-scatter: send the chunk added into last, add the incoming
+            out, incoming = (rank - step) % n, (rank - step - 1) % n
+        else:  # all-gather: pass the finished chunk on, replace the incoming one
+            s = step - (n - 1)
+            out, incoming = (rank + 1 - s) % n, (rank - s) % n
+        received = chunks[incoming].clone()
+        requests = [dist.isend(chunks[out], right), dist.irecv(received, left)]
+        for request in requests:
+            request.wait()
+        if step < n - 1:
+            chunks[incoming].add_(received)
+        else:
+            chunks[incoming].copy_(received)
+
+
+def busbw(op, nbytes, seconds, world_size):
+    """Exercise 8.2: nccl-tests' bus bandwidth in GB/s."""
+    n = world_size
+    factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0, "send_recv": 1.0}.get(
+        op, (n - 1) / n)
+    return nbytes / seconds / 1e9 * factor
