@@ -764,8 +764,10 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
         raise ValueError("no spans to draw")
     t0 = min(s.start for s in spans)
     t1 = max([s.end for s in spans] + [t for _, t, _ in marks])
-    lanes = sorted({(s.rank, s.lane) for s in spans} | {(r, "") for r, _, _ in marks
-                                                         if not any(s.rank == r for s in spans)})
+    # Lanes by rank, and within a rank in the order their first span comes in `spans`.
+    seen = list(dict.fromkeys((s.rank, s.lane) for s in spans))
+    lanes = sorted(seen + [(r, "") for r, _, _ in marks if not any(s.rank == r for s in spans)],
+                   key=lambda key: (key[0], seen.index(key) if key in seen else 0))
     named = any(lane for _, lane in lanes)
     lane, left, scale = 0.55, 0.9 + (1.0 if named else 0), 9.0 / max(t1 - t0, 1e-9)
     top = 0.25 + (0.35 if title else 0)
@@ -791,7 +793,7 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
                                max((s.end - s.start) * scale, 0.02), lane - 0.2,
                                fc=tint(color, 0.8 if s.waiting else 0.35), ec=color,
                                hatch="///" if s.waiting else None, lw=0.8))
-        if (s.end - s.start) * scale > 0.075 * len(s.label) + 0.15:  # only where it fits
+        if (s.end - s.start) * scale > 0.085 * len(s.label) + 0.15:  # only where it fits
             ax.text(x(s.start) + 0.05, y(s.rank, s.lane) + lane / 2, s.label, ha="left",
                     va="center", fontsize=FONT - 1,
                     bbox={"fc": "white", "ec": "none", "alpha": 0.75, "pad": 1})
@@ -844,10 +846,11 @@ def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]
                 x += w
             ax.add_patch(Rectangle((start, y), max(x - start, 0.01), 0.44, fc="none",
                                    ec=color, lw=1.8))
-            size = sum(b for _, b in bucket)
-            text = f"bucket {k}: {_bytes_text(size)}"
-            if x - start > 0.075 * len(text):
-                ax.text((start + x) / 2, y - 0.06, text, ha="center", va="top",
+            size = _bytes_text(sum(b for _, b in bucket))
+            fitting = [text for text in (f"bucket {k}: {size}", f"{k}: {size}", f"{k}")
+                       if x - start > 0.075 * len(text)]
+            if fitting:
+                ax.text((start + x) / 2, y - 0.06, fitting[0], ha="center", va="top",
                         fontsize=FONT - 1, color=_readable(color))
     return canvas.fig
 

@@ -182,3 +182,102 @@ def test_chapter_7_wrong_attempts_get_their_own_verdict(exercise_id, attempt, me
     assert not feedback.passed
     assert feedback.message.startswith(message), feedback.message
     assert hint in feedback.hint, feedback.hint
+
+
+# --- chapter 8: typical wrong attempts and the verdict each gets ---
+
+def _blocking_ring(tensor):
+    """8.1, wrong: blocking send first, around a ring: every rank waits in send."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    received = tensor.clone()
+    dist.send(tensor, (rank + 1) % n)
+    dist.recv(received, (rank - 1) % n)
+
+
+def _batched_chunked_ring(tensor):
+    """8.1, right, with batch_isend_irecv: P2POp must accept the checker's counted isend."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.view(-1).tensor_split(n)
+    for step in range(2 * (n - 1)):
+        s = step if step < n - 1 else step - (n - 1)
+        out, incoming = ((rank - s) % n, (rank - s - 1) % n) if step < n - 1 else \
+            ((rank + 1 - s) % n, (rank - s) % n)
+        received = chunks[incoming].clone()
+        for request in dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, chunks[out], (rank + 1) % n),
+                dist.P2POp(dist.irecv, received, (rank - 1) % n)]):
+            request.wait()
+        if step < n - 1:
+            chunks[incoming].add_(received)
+        else:
+            chunks[incoming].copy_(received)
+
+
+def _all_reduce_itself(tensor):
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)
+
+
+def _whole_tensor_ring(tensor):
+    from ddplab import ring
+
+    ring.whole_tensor_ring(tensor)
+
+
+def _busbw_one_factor(op, nbytes, seconds, world_size):
+    """8.2, wrong: the all_reduce factor for every collective."""
+    return nbytes / seconds / 1e9 * 2 * (world_size - 1) / world_size
+
+
+def _busbw_gib(op, nbytes, seconds, world_size):
+    """8.2, wrong: GiB per second, not nccl-tests' GB."""
+    factor = {"all_reduce": 2 * (world_size - 1) / world_size, "broadcast": 1,
+              "send_recv": 1}.get(op, (world_size - 1) / world_size)
+    return nbytes / seconds / 2**30 * factor
+
+
+def _buckets_strictly_over(sizes, first_cap, cap):
+    """8.3, wrong: closes a bucket only once it holds more than its cap."""
+    buckets, current, held = [], [], 0
+    for position, size in enumerate(sizes):
+        current.append(position)
+        held += size
+        if held > (first_cap if not buckets else cap):
+            buckets.append(current)
+            current, held = [], 0
+    return [*buckets, current] if current else buckets
+
+
+def _buckets_one_cap(sizes, first_cap, cap):
+    """8.3, wrong: forgets the small first bucket."""
+    return solution("8.3")(sizes, cap, cap)
+
+
+def test_exercise_8_1_accepts_a_chunked_ring_built_from_batch_isend_irecv():
+    feedback = check("8.1", _batched_chunked_ring)
+    assert feedback.passed, repr(feedback)
+
+
+@pytest.mark.parametrize("exercise_id, attempt, message, hint", [
+    ("8.1", _blocking_ring, "your function did not finish within 5 s: ranks 0, 1 and 2 were "
+     "still waiting in send()", "isend and irecv"),
+    ("8.1", _all_reduce_itself, "your function called all_reduce", "no collectives"),
+    ("8.1", _whole_tensor_ring, "the sum is right, but a rank sent 4800 bytes",
+     "sending whole tensors costs (n − 1) · S"),
+    ("8.2", _busbw_one_factor, "busbw('all_gather', 16777216, 0.004, 8) returned 7.34 GB/s; "
+     "nccl-tests would print 3.67", "(n − 1)/n for all_gather"),
+    ("8.2", _busbw_gib, "busbw('all_reduce', 67108864, 0.0125, 4) returned 7.5 GB/s", "10⁹"),
+    ("8.3", _buckets_strictly_over, "for a last layer of exactly 0.5 MiB", "at least its cap"),
+    ("8.3", _buckets_one_cap, "for five linear layers, default caps", "first_cap for the "
+     "first bucket"),
+])
+def test_chapter_8_wrong_attempts_get_their_own_verdict(exercise_id, attempt, message, hint):
+    feedback = check(exercise_id, attempt)
+    assert not feedback.passed
+    assert feedback.message.startswith(message), feedback.message
+    assert hint in feedback.hint, feedback.hint

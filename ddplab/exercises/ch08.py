@@ -10,6 +10,7 @@ learner's predicted buckets against what a real DDP on two ranks reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 from ddplab.exercises import exercise, expect, ranks, run_in_time, show
@@ -161,3 +162,80 @@ def check_busbw(busbw: Callable) -> str:
                f"would print {want:.4g}.")
     return (f"{len(BUSBW_CASES)} measurements, every factor of nccl-tests: your busbw "
             "matches theirs.")
+
+
+# --- 8.3 predict DDP's rebuilt buckets ---
+
+BUCKET_CASES = (("five linear layers", "mlp", None), ("five linear layers", "mlp", 0.5),
+                ("five linear layers", "mlp", 1),
+                ("a last layer of exactly 0.5 MiB", "exact", 0.5),
+                ("five linear layers", "mlp", 25))
+"""(description, model, bucket_cap_mb): the default caps, small caps, a bucket that reaches
+its cap exactly, and an explicit cap equal to the default (which drops the first bucket's)."""
+
+
+def _model(name: str):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 1024), nn.ReLU(),
+                             nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+                             nn.Linear(256, 10))
+    # "exact": the last layer's weight, ready first, is 256 x 512 x 4 bytes = 0.5 MiB
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 256, bias=False))
+
+
+def rebuilt_buckets(name: str, bucket_cap_mb: float | None) -> tuple[list[int], list[list[int]]]:
+    """On a rank: (gradient bytes in ready order, the rebuilt buckets as positions in that
+    order), as DDP itself reports them after three iterations."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model(name)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    width = next(model.parameters()).shape[1]
+    for _ in range(3):
+        ddp(torch.randn(4, width)).sum().backward()
+    ddp(torch.randn(4, width))  # DDP logs the last iteration at the next forward
+    data = ddp._get_ddp_logging_data()
+    order = [int(i) for i in data["prev_iteration_grad_ready_order_indices"].split(", ")]
+    params = list(model.parameters())
+    sizes = [params[i].numel() * params[i].element_size() for i in order]
+    position = {index: k for k, index in enumerate(order)}
+    buckets = [[position[int(i)] for i in bucket.split()]
+               for bucket in data["rebuilt_per_bucket_param_indices"].split(", ")]
+    return sizes, buckets
+
+
+@functools.cache
+def _real_layouts() -> list[tuple[str, int, int, list[int], list[list[int]]]]:
+    """(case, first cap, cap, sizes, DDP's buckets) for each of BUCKET_CASES; made once."""
+    import torch.distributed as dist
+
+    layouts = []
+    with ranks(2) as pool:
+        for description, name, cap_mb in BUCKET_CASES:
+            sizes, buckets = pool.run(rebuilt_buckets, name, cap_mb, timeout=60)[0]
+            cap = int((25 if cap_mb is None else cap_mb) * 1024 * 1024)
+            first = dist._DEFAULT_FIRST_BUCKET_BYTES if cap_mb is None else cap
+            label = f"{description}, " + ("default caps" if cap_mb is None
+                                          else f"bucket_cap_mb={cap_mb:g}")
+            layouts.append((label, first, cap, sizes, buckets))
+    return layouts
+
+
+@exercise("8.3", "Predict DDP's buckets", solution="predict_buckets",
+          hint="walk `sizes` in order, adding each position to the current bucket; once the "
+               "bucket holds at least its cap (first_cap for the first bucket, cap for every "
+               "later one), close it and start a new one. A last, unfinished bucket is a "
+               "bucket too.")
+def check_buckets(predict_buckets: Callable) -> str:
+    for label, first, cap, sizes, buckets in _real_layouts():
+        got = predict_buckets(list(sizes), first, cap)
+        expect(got == buckets,
+               f"for {label} (sizes {sizes}, first_cap {first}, cap {cap}) you predicted "
+               f"{show(got)}; DDP rebuilt {show(buckets)}.")
+    return (f"your buckets match DDP's own in all {len(BUCKET_CASES)} cases, the 1 MiB first "
+            "bucket and the exact fit included.")

@@ -34,3 +34,17 @@ def busbw(op, nbytes, seconds, world_size):
     factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0, "send_recv": 1.0}.get(
         op, (n - 1) / n)
     return nbytes / seconds / 1e9 * factor
+
+
+def predict_buckets(sizes, first_cap, cap):
+    """Exercise 8.3: fill buckets in ready order; each closes once it holds at least its cap."""
+    buckets, current, held = [], [], 0
+    for position, size in enumerate(sizes):
+        current.append(position)
+        held += size
+        if held >= (first_cap if not buckets else cap):
+            buckets.append(current)
+            current, held = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
