@@ -856,10 +856,9 @@ def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]
 
 
 def _bytes_text(nbytes: int) -> str:
-    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
+    if nbytes >= 1e6:
+        return f"{nbytes / 1e6:.2f} MB"
+    return f"{nbytes / 1e3:.0f} kB" if nbytes >= 1e3 else f"{nbytes} B"
 
 
 def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",

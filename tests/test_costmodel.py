@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ddplab import Pool, costmodel
+from ddplab import Pool, RankError, costmodel
 from ddplab.costmodel import Model
 
 
@@ -37,10 +37,28 @@ def test_predictions_count_each_algorithms_steps_and_bytes():
         m.predict("tree", 4, 8)
 
 
-def test_ping_pong_on_a_pool_gives_every_rank_rank_0s_times():
+def test_ping_pong_and_timed_all_reduces_give_every_rank_the_same_times():
     with Pool(3, timeout=60) as pool:
         results = pool.run(costmodel.ping_pong, [8, 1 << 22], iters=5, warmup=1)
+        for algorithm in ("gloo", "ring", "naive", "whole tensor ring"):
+            timed = pool.run(costmodel.time_all_reduce, algorithm, 1 << 12, iters=3, warmup=1)
+            assert timed[0] == timed[1] == timed[2] > 0, algorithm  # the slowest rank's
+        with pytest.raises(RankError, match="choose one of"):
+            pool.run(costmodel.time_all_reduce, "tree", 8)
     assert results[0] == results[1] == results[2]
     assert len(results[0]) == 2 and all(t > 0 for t in results[0])
     # no comparison of the two times: on a loaded machine an 8-byte round trip that waits
     # for a core can take longer than a 4 MiB one (a full run saw 2.0 ms against 1.9 ms)
+
+
+def test_the_pictures_draw_the_model_as_a_line_through_the_measurements():
+    model = Model(alpha=1e-4, beta=1e-9)
+    sizes = [8, 1024, 1 << 20]
+    fig = costmodel.plot_fit(sizes, [model.message(m) for m in sizes], model)
+    measured, line = fig.axes[0].lines
+    assert len(measured.get_xdata()) == 3 and len(line.get_xdata()) > 3  # a smooth line
+    assert "α = 100 µs" in line.get_label() and "1/β = 1.00 GB/s" in line.get_label()
+    fig = costmodel.plot_predictions(model, 4, {"ring": [(8, 1e-3), (1 << 20, 2e-3)],
+                                                "gloo": [(8, 1e-3), (1 << 20, 1e-3)]})
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    assert labels == ["ring: measured", "ring: predicted", "gloo: measured"]  # no model of gloo

@@ -246,6 +246,29 @@ def test_show_timeline_lays_out_lanes_and_marks():
         viz.show_timeline([])
 
 
+def test_show_timeline_splits_a_rank_into_lanes_and_counts_milliseconds():
+    spans = [viz.Span(0, 1.000, 1.020, "layer 4", lane="backward"),
+             viz.Span(0, 1.005, 1.030, "bucket 0", True, lane="all_reduce"),
+             viz.Span(1, 1.000, 1.010, "layer 4", lane="backward")]
+    fig = viz.show_timeline(spans)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    # Lanes keep the order their first span came in, rank by rank.
+    lanes = [t for t in texts if t.startswith("rank ")]
+    assert lanes == ["rank 0 · backward", "rank 0 · all_reduce", "rank 1 · backward"]
+    assert {"0 ms", "10 ms", "20 ms", "30 ms"} <= set(texts)
+
+
+def test_show_buckets_draws_each_bucket_to_scale_with_its_size():
+    layouts = [("iteration 1", [[("b", 40), ("w", 4_000_000)]]),
+               ("iteration 2", [[("b", 40)], [("w", 4_000_000)]])]
+    fig = viz.show_buckets(layouts, title="buckets")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "bucket 0: 4.00 MB" in texts and "bucket 1: 4.00 MB" in texts
+    assert "w" in texts and "b" not in texts  # 40 bytes is too thin to hold its name
+    with pytest.raises(ValueError, match="at least one layout"):
+        viz.show_buckets([("empty", [])])
+
+
 def test_show_bars_draws_each_value_to_scale_with_its_unit_and_note():
     fig = viz.show_bars([("one", 40.0), ("two", 80.0)], unit="ms", notes=["", "speedup 1.00×"],
                         colors=[None, viz.rank_color(1)], title="busy()")
