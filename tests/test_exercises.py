@@ -258,6 +258,22 @@ def _buckets_one_cap(sizes, first_cap, cap):
     return solution("8.3")(sizes, cap, cap)
 
 
+def _summing_hook(state, bucket):
+    """8.4, wrong: all-reduces but never divides."""
+    import torch.distributed as dist
+
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(
+        lambda f: f.value()[0])
+
+
+def _tensor_hook(state, bucket):
+    """8.4, wrong: waits for the all-reduce and returns a tensor, not a future."""
+    import torch.distributed as dist
+
+    dist.all_reduce(bucket.buffer())
+    return bucket.buffer() / dist.get_world_size()
+
+
 def test_exercise_8_1_accepts_a_chunked_ring_built_from_batch_isend_irecv():
     feedback = check("8.1", _batched_chunked_ring)
     assert feedback.passed, repr(feedback)
@@ -275,6 +291,10 @@ def test_exercise_8_1_accepts_a_chunked_ring_built_from_batch_isend_irecv():
     ("8.3", _buckets_strictly_over, "for a last layer of exactly 0.5 MiB", "at least its cap"),
     ("8.3", _buckets_one_cap, "for five linear layers, default caps", "first_cap for the "
      "first bucket"),
+    ("8.4", _summing_hook, "on rank 0, iteration 1, your gradients are 2× DDP's",
+     "dist.get_world_size()"),
+    ("8.4", _tensor_hook, "your hook returned a Tensor", ".then(...)"),
+    ("8.4", lambda s, b: None, "your hook's parameters are (s, b)", "def averaging_hook"),
 ])
 def test_chapter_8_wrong_attempts_get_their_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)

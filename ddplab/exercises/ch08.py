@@ -1,10 +1,11 @@
-"""Chapter 8 exercises: the chunked ring by hand, busbw from a time, DDP's bucket layout.
+"""Chapter 8 exercises: the chunked ring by hand, busbw from a time, DDP's buckets, a hook.
 
 8.1 runs the learner's ring on real ranks with their sends counted: the sum must be exact
 and the busiest rank must send no more than the chunked ring's 2(n − 1)/n · S, so the
 whole-tensor ring and the naive all-reduce, both correct, are told apart from the real
 thing. 8.2 is arithmetic, held against `ddplab.bench`'s own factors. 8.3 holds the
-learner's predicted buckets against what a real DDP on two ranks reports.
+learner's predicted buckets against what a real DDP on two ranks reports, and 8.4 the
+gradients of the learner's communication hook against DDP's own all-reduce.
 """
 
 from __future__ import annotations
@@ -239,3 +240,83 @@ def check_buckets(predict_buckets: Callable) -> str:
                f"{show(got)}; DDP rebuilt {show(buckets)}.")
     return (f"your buckets match DDP's own in all {len(BUCKET_CASES)} cases, the 1 MiB first "
             "bucket and the exact fit included.")
+
+
+# --- 8.4 a communication hook of your own ---
+
+HOOK_CAP_MB = 0.5
+"""Buckets of 0.5 MiB: 8.4's model makes four, so a hook that only works for one fails."""
+
+
+def hooked_gradients(hook: Callable, iterations: int = 3) -> dict:
+    """On a rank: the same model's gradients with the learner's hook and with DDP's own
+    all-reduce, on the same batches. Returns, per iteration, (their largest difference, the
+    ratio of their norms), and what the hook returned when that was not a Future.
+
+    Given None from a hook, DDP crashes the process (SIGSEGV, torch 2.13), so the hook is
+    called through a guard that notes anything but a Future and all-reduces instead.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    returned: list[str] = []
+
+    def guarded(state, bucket):
+        result = hook(state, bucket)
+        if isinstance(result, torch._C.Future):  # what get_future() and then() give
+            return result
+        returned.append("None" if result is None else f"a {type(result).__name__}")
+        future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return future.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+
+    mine, plain = (DDP(_model("mlp"), bucket_cap_mb=HOOK_CAP_MB) for _ in range(2))
+    mine.register_comm_hook(None, guarded)
+    torch.manual_seed(dist.get_rank())
+    rows = []
+    for _ in range(iterations):
+        x = torch.randn(16, 256)
+        grads = []
+        for model in (mine, plain):
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        rows.append(((grads[0] - grads[1]).abs().max().item(),
+                     (grads[0].norm() / grads[1].norm()).item()))
+    return {"rows": rows, "returned": returned[:1]}
+
+
+@exercise("8.4", "A communication hook of your own", solution="averaging_hook",
+          hint="all-reduce the bucket's flat buffer with async_op=True, take its future "
+               "(.get_future()), and return future.then(f) where f divides f.value()[0] "
+               "by the world size and returns it.")
+def check_hook(averaging_hook: Callable) -> str:
+    import inspect
+
+    names = list(inspect.signature(averaging_hook).parameters)
+    expect(names[1:2] == ["bucket"],
+           f"your hook's parameters are ({', '.join(names)}); DDP calls hook(state, bucket) "
+           "and looks up the parameter named `bucket` (to check its type annotation).",
+           "name them as DDP does: def averaging_hook(state, bucket).")
+    with ranks(2) as pool:
+        got = run_in_time(pool, hooked_gradients, averaging_hook, deadline=30.0,
+                          meaning="DDP waits in backward() for the future your hook returns.",
+                          hint="return the future of an async all_reduce (or a `.then` of "
+                               "it); never wait for something only another bucket sends.")
+    returned = got[0]["returned"]
+    expect(not returned, f"your hook returned {returned[0] if returned else ''}; DDP needs a "
+                         "torch.futures.Future whose value is the bucket's new contents (given "
+                         "None, torch 2.13 even crashes the rank).",
+           "return the future of an async all_reduce, or a `.then(...)` of it.")
+    for rank, out in enumerate(got):
+        for iteration, (difference, ratio) in enumerate(out["rows"], 1):
+            if difference > 1e-5:
+                expect(abs(ratio - 2) > 1e-3,
+                       f"on rank {rank}, iteration {iteration}, your gradients are 2× DDP's: "
+                       "the sum over the 2 ranks, not the average.",
+                       "divide the all-reduced buffer by dist.get_world_size().")
+                expect(False, f"on rank {rank}, iteration {iteration}, your gradients differ "
+                              f"from DDP's by up to {difference:.3g} (norm ratio "
+                              f"{ratio:.4g}).")
+    return ("with four buckets on 2 ranks, your hook's gradients equal DDP's own in every "
+            "iteration.")
