@@ -21,20 +21,12 @@ torch's Python logging). A rank forked from a server that imported torch before 
 learner set them would ignore them. So each server is started for one setting of the
 variables torch might read (`import_time`), and a pool whose setting differs gets a fresh
 server; a server left with no ranks is stopped when another one starts.
-
-Preloading more: `DDPLAB_PRELOAD=torch._dynamo` (comma-separated modules) makes the server
-import those too, before it forks anything. A rank's first `DDP(model)` imports
-torch._dynamo, about 2.5 s of CPU in every rank of every pool; imported once in the server,
-it costs every later rank nothing. It is not the default because it delays the server's
-readiness, and with it a kernel's first `Pool`, by as much; the test suite, which starts
-hundreds of ranks, sets it.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import os
 import pickle
 import select
@@ -52,8 +44,6 @@ from ddplab.timeouts import DEFAULT as _TIMEOUTS
 _HEADER = struct.Struct("!I")
 _SERVER_MAIN = "import sys; from ddplab.forkserver import serve; serve(*map(int, sys.argv[1:]))"
 _MAX_FDS = 8
-PRELOAD = "DDPLAB_PRELOAD"
-"""Comma-separated modules the server imports besides torch (see the module's docstring)."""
 IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "GLOO_", "NCCL_")
 """Variables with these prefixes may be read by torch at import; rather than keep a list
 of which ones are (it changes between releases), all of them choose the server."""
@@ -419,9 +409,6 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
         import torch.distributed  # noqa: F401
 
         from ddplab import worker  # noqa: F401
-
-        for name in filter(None, os.environ.get(PRELOAD, "").replace(" ", "").split(",")):
-            importlib.import_module(name)
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)

@@ -20,12 +20,7 @@ from pathlib import Path
 import pytest
 
 from ddplab import slurm as local_slurm
-from ddplab.forkserver import PRELOAD
 from ddplab.launch import free_port
-
-# Hundreds of ranks build a DDP model in this suite; each first DDP imports torch._dynamo
-# (2.5 s of CPU). Imported once per forkserver instead (notebook kernels inherit this too).
-os.environ.setdefault(PRELOAD, "torch._dynamo")
 
 TOKEN = "ddplab-test"
 
