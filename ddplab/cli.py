@@ -56,6 +56,10 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_lab, passthrough=True)
 
 
+LAB_SETTINGS = Path(__file__).resolve().parent / "lab_settings"
+"""JupyterLab's app settings folder for `ddplab lab`: its overrides.json sets the defaults."""
+
+
 def _run_lab(args: argparse.Namespace, extra: list[str]) -> int:
     notebooks = find_notebooks_dir()
     if notebooks is None:
@@ -71,6 +75,9 @@ def _run_lab(args: argparse.Namespace, extra: list[str]) -> int:
         "jupyterlab",
         f"--ServerApp.root_dir={notebooks}",
         "--ServerApp.ip=127.0.0.1",
+        # The kit's setting overrides: no "get notified about Jupyter news?" prompt, no
+        # update check (a classroom has no use for either, and either calls the internet).
+        f"--LabApp.app_settings_dir={LAB_SETTINGS}",
     ]
     if args.port is not None:
         cmd.append(f"--ServerApp.port={args.port}")

@@ -171,6 +171,8 @@ def test_the_explorer_and_the_stepper_work_in_a_real_lab(lab, browser, tmp_path)
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jupyter-widgets img")[-1]
                .get_attribute("src") != start_src)
     browser.save_screenshot(str(tmp_path / "stepper.png"))
+    # ddplab lab's settings: JupyterLab never asks about its news feed (or calls it).
+    assert "Jupyter news" not in browser.find_element(By.TAG_NAME, "body").text
 
     ranks = [p for p in psutil.Process(server.pid).children(recursive=True)
              if "ipykernel" not in " ".join(p.cmdline())]
