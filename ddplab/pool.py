@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ddplab import calls, flight, launch, protocol
+from ddplab import calls, classroom, flight, launch, protocol
 from ddplab.errors import (
     DETAIL_DDP_CRASH,
     PoolClosedError,
@@ -73,8 +73,10 @@ class Pool:
             (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are set).
         timeout: seconds a call may take before the pool gives up on it (each call can
             override it); also the process group's own timeout, so a collective never
-            waits longer than this.
+            waits longer than this. Default: 60, or the room's DDPLAB_CALL_TIMEOUT.
         threads: CPU threads per rank (OMP_NUM_THREADS and torch.set_num_threads).
+            The room's limits (`ddplab.classroom`: DDPLAB_MAX_RANKS, DDPLAB_MAX_THREADS),
+            if an instructor set them, cap `world_size` and `threads`.
         env: environment variables for this pool's ranks, over the kernel's own (which
             they also get): debug switches such as TORCH_DISTRIBUTED_DEBUG="DETAIL" take
             effect, even those torch reads only when it is imported.
@@ -85,7 +87,7 @@ class Pool:
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", init_method: str | None = "env",
-                 timeout: float = DEFAULT_TIMEOUTS.call, threads: int = 1,
+                 timeout: float | None = None, threads: int = 1,
                  env: Mapping[str, str] | None = None, quiet: bool = False,
                  all_threads: bool = False) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -98,9 +100,19 @@ class Pool:
         if init_method not in INIT_METHODS:
             raise PoolValueError(f"unknown init_method {init_method!r}: choose 'env', 'tcp', "
                                  "'file', or None (start processes only)")
+        try:
+            room = classroom.limits()
+        except classroom.LimitError as exc:
+            raise PoolValueError(str(exc)) from None
+        if timeout is None:
+            timeout = room.call_timeout or DEFAULT_TIMEOUTS.call
         timeout = self._check_timeout(timeout)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise PoolValueError(f"threads must be a positive int, not {threads!r}")
+        try:
+            room.check(world_size, threads)
+        except ValueError as exc:
+            raise PoolValueError(str(exc)) from None
         env = self._check_env(env)
         if backend == "nccl":
             try:
