@@ -1,5 +1,5 @@
 """Typical wrong attempts at the exercises, and the verdict each gets: the check must name
-what is wrong, not only that something is (chapters 7 and 8).
+what is wrong, not only that something is (chapters 4b, 7 and 8).
 
 Apart from `test_exercises.py` so that pytest-xdist's two processes, which take whole files,
 can share the exercises' checks between them.
@@ -192,6 +192,67 @@ def test_exercise_8_1_accepts_a_chunked_ring_built_from_batch_isend_irecv():
     ("8.4", lambda s, b: None, "your hook's parameters are (s, b)", "def averaging_hook"),
 ])
 def test_chapter_8_wrong_attempts_get_their_own_verdict(exercise_id, attempt, message, hint):
+    feedback = check(exercise_id, attempt)
+    assert not feedback.passed
+    assert feedback.message.startswith(message), feedback.message
+    assert hint in feedback.hint, feedback.hint
+
+
+# --- chapter 4b: typical wrong attempts and the verdict each gets ---
+
+def _metrics_in_dict_order(metrics):
+    """4.4, wrong: packs the values in each rank's own dict order."""
+    import torch
+    import torch.distributed as dist
+
+    values = torch.tensor(list(metrics.values()), dtype=torch.float64)
+    dist.all_reduce(values)
+    return dict(zip(metrics, (values / dist.get_world_size()).tolist(), strict=True))
+
+
+def _metrics_one_call_each(metrics):
+    """4.4, wrong: one all_reduce per metric."""
+    import torch
+    import torch.distributed as dist
+
+    means = {}
+    for key in sorted(metrics):
+        value = torch.tensor([float(metrics[key])], dtype=torch.float64)
+        dist.all_reduce(value)
+        means[key] = value.item() / dist.get_world_size()
+    return means
+
+
+def _metrics_by_objects(metrics):
+    """4.4, wrong: all_gather_object, the slow way."""
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, metrics)
+    return {key: sum(m[key] for m in everyone) / len(everyone) for key in metrics}
+
+
+def _row_sum_everyone(t):
+    """4.5, wrong: forgets group=."""
+    import torch.distributed as dist
+
+    for r in range(0, dist.get_world_size(), 2):
+        dist.new_group([r, r + 1])
+    total = t.clone()
+    dist.all_reduce(total)
+    return total
+
+
+@pytest.mark.parametrize("exercise_id, attempt, message, hint", [
+    ("4.4", _metrics_in_dict_order, "with 2 ranks, rank 0's mean", "Use sorted keys"),
+    ("4.4", _metrics_one_call_each, "the means are right, but rank 0 called dist.all_reduce 4 "
+     "times", "one call pays the latency once"),
+    ("4.4", _metrics_by_objects, "the means are right, but rank 0 called "
+     "dist.all_gather_object", "all_reduce does the adding"),
+    ("4.5", _row_sum_everyone, "with 4 ranks, rank 0 returned tensor([10, 100]",
+     "pass group= to all_reduce"),
+])
+def test_chapter_4b_wrong_attempts_get_their_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed
     assert feedback.message.startswith(message), feedback.message

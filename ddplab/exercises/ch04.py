@@ -260,3 +260,129 @@ def check_reduce_scatter_by_hand(attempt: Callable) -> str:
                 _forbidden_used(got, world_size, SCATTER_RULE, "")
     return ("every rank got its piece of the sum, with 2 ranks (int64) and 3 ranks "
             "(float32), without dist.reduce_scatter.")
+
+
+# --- 4.4 (chapter 4b) the mean of a metrics dict, in one all_reduce ---
+
+METRICS_KEYS = ("loss", "accuracy", "grad_norm", "lr")
+METRICS_RULE = "one dist.all_reduce of one tensor; no object collectives"
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
+                      "scatter_object_list", "all_gather", "gather", "broadcast")
+
+
+def _metrics(rank: int) -> dict[str, float]:
+    """Rank `rank`'s metrics, its keys in an order of its own: a dict keeps the order its
+    keys were added in, and ranks that log in a different order are common."""
+    values = {"loss": 2.0 - 0.25 * rank, "accuracy": 0.5 + 0.125 * rank,
+              "grad_norm": 4.0 * (rank + 1), "lr": 0.001}
+    order = METRICS_KEYS[rank % 4:] + METRICS_KEYS[:rank % 4]
+    return {key: values[key] for key in order}
+
+
+def _packed_in_dict_order(rank: int, world_size: int) -> dict[str, float]:
+    """What rank `rank` gets from a tensor packed in each rank's own dict order: position i
+    adds up whichever metric each rank listed i-th."""
+    orders = [list(_metrics(r)) for r in range(world_size)]
+    return {key: sum(_metrics(r)[orders[r][i]] for r in range(world_size)) / world_size
+            for i, key in enumerate(orders[rank])}
+
+
+def _metrics_on_rank(attempt: Callable) -> tuple[object, dict[str, int]]:
+    import torch.distributed as dist
+
+    with _watch(("all_reduce", *OBJECT_COLLECTIVES)) as calls:
+        value = attempt(_metrics(dist.get_rank()))
+    return value, calls
+
+
+@exercise("4.4", "The mean of every rank's metrics, in one all_reduce", solution="mean_metrics",
+          hint="one tensor can hold every value, and all_reduce adds it position by "
+               "position: every rank must put the same metric at the same position. Do all "
+               "the ranks' dicts list their keys in the same order?")
+def check_mean_metrics(attempt: Callable) -> str:
+    for world_size in (2, 3):
+        want = {key: sum(_metrics(r)[key] for r in range(world_size)) / world_size
+                for key in METRICS_KEYS}
+        with ranks(world_size) as pool:
+            got = _run(pool, _metrics_on_rank, attempt)
+        where = f"with {world_size} ranks"
+        for rank, (value, _) in enumerate(got):
+            expect(isinstance(value, dict) and set(value) == set(METRICS_KEYS),
+                   f"{where}, rank {rank} returned {show(value)}; expected a dict with the "
+                   f"same keys, {', '.join(METRICS_KEYS)}.")
+            wrong = {k: v for k, v in value.items()
+                     if not isinstance(v, (int, float)) or abs(v - want[k]) > 1e-5}
+            if wrong:
+                key = sorted(wrong)[0]
+                mixed = _packed_in_dict_order(rank, world_size)
+                swapped = all(isinstance(v, (int, float)) and abs(v - mixed[k]) <= 1e-5
+                              for k, v in value.items())
+                expect(False, f"{where}, rank {rank}'s mean {key} is {show(wrong[key])}; "
+                              f"expected {want[key]:g}.",
+                       "the ranks' dicts list their keys in different orders: a tensor "
+                       "built in dict order adds one rank's loss to another's accuracy. "
+                       "Use sorted keys." if swapped else "")
+        for rank, (_, calls) in enumerate(got):
+            used = sorted(name for name in OBJECT_COLLECTIVES if calls.get(name))
+            expect(not used, f"the means are right, but rank {rank} called "
+                             f"{', '.join(f'dist.{n}' for n in used)}; the rule: "
+                             f"{METRICS_RULE}.",
+                   "numbers travel best as one tensor: all_reduce does the adding.")
+            expect(calls.get("all_reduce") == 1,
+                   f"the means are right, but rank {rank} called dist.all_reduce "
+                   f"{calls.get('all_reduce', 0)} times; the rule: {METRICS_RULE}.",
+                   "pack every value into one tensor: one call pays the latency once.")
+    return ("every rank got every metric's mean, from one all_reduce, with the ranks' keys "
+            "in different orders, on 2 and 3 ranks.")
+
+
+# --- 4.5 (chapter 4b) sums within rows of two ranks ---
+
+ROW_CASES = (4, 6)
+"""World sizes: rows of two consecutive ranks, (0, 1), (2, 3), ..."""
+
+
+def _row_on_rank(attempt: Callable) -> tuple[object, dict[str, int]]:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    t = torch.tensor([rank + 1, 10 * (rank + 1)])
+    with _watch(("new_group", "new_subgroups")) as calls:
+        value = attempt(t)
+    return value, calls
+
+
+@exercise("4.5", "Sums within rows of two ranks", solution="row_sum",
+          hint="making a group is itself collective: which ranks must call dist.new_group, "
+               "for which rows, and in what order? Then tell the collective which group to "
+               "use, and leave t as it is.")
+def check_row_sum(attempt: Callable) -> str:
+    import torch
+
+    for world_size in ROW_CASES:
+        with ranks(world_size) as pool:
+            got = run_in_time(
+                pool, _row_on_rank, attempt, deadline=DEADLINE,
+                meaning="Group creation is itself collective: every rank must call "
+                        "new_group for every group, in the same order, or the ranks wait "
+                        "for each other.",
+                hint="loop over all the rows on every rank and create each row's group, "
+                     "then use only your own.")
+        where = f"with {world_size} ranks"
+        for rank, (value, calls) in enumerate(got):
+            pair = (rank - rank % 2, rank - rank % 2 + 1)
+            want = torch.tensor([sum(r + 1 for r in pair), sum(10 * (r + 1) for r in pair)])
+            everyone = torch.tensor([sum(range(1, world_size + 1)),
+                                     10 * sum(range(1, world_size + 1))])
+            expect(isinstance(value, torch.Tensor) and torch.equal(value, want),
+                   f"{where}, rank {rank} returned {show(value)}; expected the sum over "
+                   f"ranks {pair[0]} and {pair[1]}, {show(want)}.",
+                   "that is the sum over all ranks: pass group= to all_reduce."
+                   if isinstance(value, torch.Tensor) and torch.equal(value, everyone)
+                   else "")
+            expect(calls.get("new_group") or calls.get("new_subgroups"),
+                   f"{where}, the sums are right, but rank {rank} made no group; the point "
+                   "is a collective within a subgroup.",
+                   "dist.new_group(ranks) (or dist.new_subgroups(2)) makes the rows.")
+    return "every rank got its row's sum, on 4 and 6 ranks, from collectives in subgroups."

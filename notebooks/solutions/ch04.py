@@ -1,4 +1,4 @@
-"""Instructor solutions for chapter 4a (collectives).
+"""Instructor solutions for chapter 4 (4a: collectives; 4b: collectives in practice).
 
 One function per exercise, named as the exercise's `solution`; `tests/test_exercises.py`
 checks that each passes `check("4.N", ...)`. Learners: try first, then compare.
@@ -40,3 +40,21 @@ def reduce_scatter_by_hand(t):
     received = [torch.empty_like(p) for p in pieces]
     dist.all_to_all(received, pieces)
     return torch.stack(received).sum(0)
+
+
+def mean_metrics(metrics):
+    """Exercise 4.4: every metric's mean over the ranks, in one all_reduce."""
+    keys = sorted(metrics)  # the same order on every rank, whatever order the dict has
+    values = torch.tensor([float(metrics[key]) for key in keys], dtype=torch.float64)
+    dist.all_reduce(values)
+    values /= dist.get_world_size()
+    return dict(zip(keys, values.tolist(), strict=True))
+
+
+def row_sum(t):
+    """Exercise 4.5: the sum of t over this rank's row of two ranks."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rows = [dist.new_group([r, r + 1]) for r in range(0, n, 2)]  # every rank makes every row
+    total = t.clone()
+    dist.all_reduce(total, group=rows[rank // 2])
+    return total
