@@ -59,7 +59,7 @@ def _no_grad_at_all(model, x):
     return {name for name, p in model.named_parameters() if p.grad is None}
 
 
-@pytest.mark.parametrize("exercise_id, attempt, message, hint", [
+CHAPTER_7 = [
     ("7.1", _first_stuck_rank, "when rank 1 skipped all_reduce, your function named rank 0",
      "not waiting in the skipped collective"),
     ("7.2", _logs_on_rank_0_only, "your function did not finish within 5 s: rank 0 was still "
@@ -71,12 +71,8 @@ def _no_grad_at_all(model, x):
      "torch.equal"),
     ("7.4", _no_grad_at_all, "for the same model with that head frozen, your function named "
      "['letters.bias', 'letters.weight']", "a frozen parameter (requires_grad=False)"),
-])
-def test_chapter_7_wrong_attempts_get_their_own_verdict(exercise_id, attempt, message, hint):
-    feedback = check(exercise_id, attempt)
-    assert not feedback.passed
-    assert feedback.message.startswith(message), feedback.message
-    assert hint in feedback.hint, feedback.hint
+]
+
 
 
 # --- chapter 8: typical wrong attempts and the verdict each gets ---
@@ -174,7 +170,7 @@ def test_exercise_8_1_accepts_a_chunked_ring_built_from_batch_isend_irecv():
     assert feedback.passed, repr(feedback)
 
 
-@pytest.mark.parametrize("exercise_id, attempt, message, hint", [
+CHAPTER_8 = [
     ("8.1", _blocking_ring, "your function did not finish within 5 s: ranks 0, 1 and 2 were "
      "still waiting in send()", "isend and irecv"),
     ("8.1", _all_reduce_itself, "your function called all_reduce", "no collectives"),
@@ -190,12 +186,8 @@ def test_exercise_8_1_accepts_a_chunked_ring_built_from_batch_isend_irecv():
      "dist.get_world_size()"),
     ("8.4", _tensor_hook, "your hook returned a Tensor", ".then(...)"),
     ("8.4", lambda s, b: None, "your hook's parameters are (s, b)", "def averaging_hook"),
-])
-def test_chapter_8_wrong_attempts_get_their_own_verdict(exercise_id, attempt, message, hint):
-    feedback = check(exercise_id, attempt)
-    assert not feedback.passed
-    assert feedback.message.startswith(message), feedback.message
-    assert hint in feedback.hint, feedback.hint
+]
+
 
 
 # --- chapter 4b: typical wrong attempts and the verdict each gets ---
@@ -243,7 +235,7 @@ def _row_sum_everyone(t):
     return total
 
 
-@pytest.mark.parametrize("exercise_id, attempt, message, hint", [
+CHAPTER_4B = [
     ("4.4", _metrics_in_dict_order, "with 2 ranks, rank 0's mean", "Use sorted keys"),
     ("4.4", _metrics_one_call_each, "the means are right, but rank 0 called dist.all_reduce 4 "
      "times", "one call pays the latency once"),
@@ -251,8 +243,13 @@ def _row_sum_everyone(t):
      "dist.all_gather_object", "all_reduce does the adding"),
     ("4.5", _row_sum_everyone, "with 4 ranks, rank 0 returned tensor([10, 100]",
      "pass group= to all_reduce"),
-])
-def test_chapter_4b_wrong_attempts_get_their_own_verdict(exercise_id, attempt, message, hint):
+]
+
+
+# Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
+@pytest.mark.parametrize("exercise_id, attempt, message, hint",
+                         CHAPTER_4B + CHAPTER_7 + CHAPTER_8)
+def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed
     assert feedback.message.startswith(message), feedback.message
