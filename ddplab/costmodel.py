@@ -151,12 +151,14 @@ def time_all_reduce(algorithm: str, nbytes: int, iters: int = 10, warmup: int = 
 
 
 def _log_axes(fig, ylabel: str):
-    """Log-log axes with plain numbers on the time axis (0.5, 2, 100, not 5×10⁻¹)."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    """Log-log axes with plain numbers on the time axis (0.5, 2, 100, not 5×10⁻¹), at 1, 2
+    and 5 times each power of ten, so that a range under one decade still has labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax = fig.add_subplot()
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("message size (bytes)")
