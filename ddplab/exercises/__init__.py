@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ddplab.errors import RankError, RankTimeout, ranks_text
@@ -152,3 +153,38 @@ def expect(condition: bool, message: str, hint: str = "") -> None:
     """Fail the attempt with `message` unless `condition` holds."""
     if not condition:
         raise NotYet(message, hint)
+
+
+@contextmanager
+def watching(names: Iterable[str], seen: Callable[[str, tuple, dict], None], *,
+             c10d: bool = False) -> Iterator[None]:
+    """On a rank: call `seen(name, args, kwargs)` before each call of `dist.<name>` in the
+    block; the calls still run. This is how checks see which collectives an attempt used.
+
+    With `c10d=True` the wrapper also replaces the function in `distributed_c10d`, where it
+    is the same one: `P2POp(dist.isend, ...)` and `batch_isend_irecv` compare an op with
+    c10d's own `isend`, and accept a watched one only then. Off by default, because c10d's
+    functions call each other (all_gather_object calls all_gather), and a check must count
+    only what the learner called.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    modules = (dist, distributed_c10d) if c10d else (dist,)
+    saved = [(module, name, getattr(module, name)) for name in names if hasattr(dist, name)
+             for module in modules if getattr(module, name, None) is getattr(dist, name)]
+
+    def watched(name: str, original: Callable) -> Callable:
+        def call(*args, **kwargs):
+            seen(name, args, kwargs)
+            return original(*args, **kwargs)
+        return call
+
+    wrappers = {name: watched(name, original) for _, name, original in saved}
+    try:
+        for module, name, _ in saved:
+            setattr(module, name, wrappers[name])
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from ddplab.errors import ranks_text
-from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time, show
+from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time, show, watching
 
 DEADLINE = 5.0
 """Seconds an attempt may take on the ranks: correct answers take milliseconds."""
@@ -41,24 +41,13 @@ def _same(got, want) -> bool:
 @contextmanager
 def _watch(names: tuple[str, ...]):
     """On a rank: count the calls to `dist.<name>` while the attempt runs (they still work)."""
-    import torch.distributed as dist
-
     calls: dict[str, int] = {}
-    saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
-    def watched(name, original):
-        def call(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            return original(*args, **kwargs)
-        return call
+    def count(name: str, args: tuple, kwargs: dict) -> None:
+        calls[name] = calls.get(name, 0) + 1
 
-    for name, original in saved.items():
-        setattr(dist, name, watched(name, original))
-    try:
+    with watching(names, count):
         yield calls
-    finally:
-        for name, original in saved.items():
-            setattr(dist, name, original)
 
 
 def _attempt_on_rank(attempt: Callable, tensors: list, watch: tuple[str, ...] = ()):

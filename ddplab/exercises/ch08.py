@@ -14,7 +14,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 
-from ddplab.exercises import exercise, expect, ranks, run_in_time, show
+from ddplab.exercises import exercise, expect, ranks, run_in_time, show, watching
 
 DEADLINE = 5.0
 """Seconds an attempt may take on the ranks: a correct ring takes milliseconds."""
@@ -36,41 +36,17 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_si
 @contextlib.contextmanager
 def counting_sends(sent: list[int], used: list[str]) -> Iterator[None]:
     """On a rank: add the bytes of every tensor sent to `sent`, the name of every
-    collective called to `used`, for the duration of the block.
+    collective called to `used`, for the duration of the block."""
 
-    The wrappers replace the functions both in `torch.distributed` (what `dist.isend`
-    finds) and in `distributed_c10d` itself, so `P2POp(dist.isend, ...)` and
-    `batch_isend_irecv`, which check an op against c10d's own `isend`, accept them.
-    """
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    def counted(name: str, original: Callable) -> Callable:
-        def send(*args, **kwargs):
+    def seen(name: str, args: tuple, kwargs: dict) -> None:
+        if name in SENDS:
             tensor = kwargs.get("tensor", args[0] if args else None)
             sent.append(tensor.numel() * tensor.element_size())
-            return original(*args, **kwargs)
-        return send
-
-    def recorded(name: str, original: Callable) -> Callable:
-        def collective(*args, **kwargs):
+        else:
             used.append(name)
-            return original(*args, **kwargs)
-        return collective
 
-    saved = {name: getattr(dist, name) for name in SENDS + COLLECTIVES if hasattr(dist, name)}
-    try:
-        for name, original in saved.items():
-            wrapper = (counted if name in SENDS else recorded)(name, original)
-            setattr(dist, name, wrapper)
-            if getattr(c10d, name, None) is original:
-                setattr(c10d, name, wrapper)
+    with watching(SENDS + COLLECTIVES, seen, c10d=True):  # c10d: P2POp must accept isend
         yield
-    finally:
-        for name, original in saved.items():
-            setattr(dist, name, original)
-            if hasattr(c10d, name):
-                setattr(c10d, name, original)
 
 
 def ring_on_rank(attempt: Callable, numel: int) -> tuple[list[int], list[int], int, list[str]]:
