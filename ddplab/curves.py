@@ -22,7 +22,7 @@ from collections import defaultdict
 import numpy as np
 from matplotlib.figure import Figure
 
-from ddplab.viz import FONT, _readable, png_bytes, rank_color
+from ddplab.viz import FONT, _readable, line_color, png_bytes, rank_color, screen_size
 
 
 class LossCurves:
@@ -62,7 +62,7 @@ class LossCurves:
         for rank in sorted(self.steps):
             steps = sorted(self.steps[rank])
             ax.plot(steps, [self.steps[rank][s] for s in steps], lw=1.0, alpha=0.8,
-                    color=rank_color(rank), label=f"rank {rank} (its own batches)")
+                    color=line_color(rank_color(rank)), label=f"rank {rank} (its own batches)")
         steps, mean = self.average()
         if len(steps):
             ax.plot(steps, mean, lw=2.2, color="#222222", label="average over ranks")
@@ -89,7 +89,8 @@ class LossCurves:
     def _show(self) -> None:
         from IPython.display import Image, display
 
-        image = Image(png_bytes(self.figure()))
+        figure = self.figure()
+        image = Image(png_bytes(figure), width=screen_size(figure)[0])
         if self._handle is None:
             self._handle = display(image, display_id=True)
         else:

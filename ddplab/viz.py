@@ -50,10 +50,37 @@ Owner = int | tuple[int, ...] | None
 """Whose data a cell holds: a rank, several ranks (a combined value), or None (empty)."""
 
 
+SCALE = 2  # pixels per screen pixel: sharp on HiDPI screens (shown at the 1x size)
+COLOURS = 64  # a picture is flat colours and anti-aliased edges; 64 keep both clean
+
+
 def png_bytes(fig: Figure) -> bytes:
+    """The figure as a PNG at twice its screen size, reduced to a small palette.
+
+    Twice the pixels keep digits sharp on HiDPI screens; the palette (pictures are mostly
+    flat colours) more than pays for them: the result is smaller than a full-colour 1x PNG.
+    """
+    from PIL import Image
+
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=fig.dpi)
-    return buf.getvalue()
+    fig.savefig(buf, format="png", dpi=fig.dpi * SCALE)
+    buf.seek(0)
+    image = Image.open(buf).convert("RGB").quantize(
+        colors=COLOURS, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    image.save(out, format="png", optimize=True)
+    return out.getvalue()
+
+
+def screen_size(fig: Figure) -> tuple[int, int]:
+    """The figure's size in screen pixels: what `png_bytes`' picture is displayed at."""
+    width, height = fig.get_size_inches() * fig.dpi
+    return round(width), round(height)
+
+
+def _png_for_notebook(fig: Figure) -> tuple[bytes, dict]:
+    width, height = screen_size(fig)
+    return png_bytes(fig), {"width": width, "height": height}
 
 
 def _register_with_ipython() -> None:
@@ -68,7 +95,7 @@ def _register_with_ipython() -> None:
 
     ip = get_ipython()
     if ip is not None:
-        ip.display_formatter.formatters["image/png"].for_type(Figure, png_bytes)
+        ip.display_formatter.formatters["image/png"].for_type(Figure, _png_for_notebook)
 
 
 def rank_color(rank: int) -> str:
@@ -218,7 +245,7 @@ class _Canvas:
                                         ec="#777777"))
         frame = panel.frame or rank_color(panel.rank)
         self.ax.add_patch(Rectangle((panel.x, panel.y), max(cols, 1) * c, max(rows, 1) * c,
-                                    fill=False, lw=1.6, ec=frame))
+                                    fill=False, lw=1.6, ec=line_color(frame)))
         self.ax.text(panel.x, panel.y + max(rows, 1) * c + 0.08, panel.label, ha="left",
                      va="bottom", fontsize=FONT + 1, fontweight="bold",
                      color=_readable(frame))
@@ -246,7 +273,7 @@ class _Canvas:
         distance = float(np.hypot(end[0] - start[0], end[1] - start[1])) or 1.0
         rad = -2 * depth / distance  # arc3's bulge is rad/2 of the distance
         self.ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14,
-                                          lw=1.8, color=color, shrinkA=2, shrinkB=2,
+                                          lw=1.8, color=line_color(color), shrinkA=2, shrinkB=2,
                                           connectionstyle=f"arc3,rad={rad}"))
         if label:  # at the arc's apex: the midpoint pushed out by rad/2 of the normal
             (x1, y1), (x2, y2) = start, end
@@ -260,7 +287,7 @@ class _Canvas:
         """Explain the colours used; `names` rewords "rank", "combined" or "empty"."""
         names = {"rank": "rank {}'s data", "combined": "combined from the ranks in its bar",
                  "empty": "empty buffer", **(names or {})}
-        handles = [Patch(fc=tint(rank_color(r)), ec=rank_color(r),
+        handles = [Patch(fc=tint(rank_color(r)), ec=line_color(rank_color(r)),
                          label=names["rank"].format(r))
                    for r in range(ranks) if r in self.owners_seen]
         if "combined" in self.owners_seen:
@@ -268,8 +295,8 @@ class _Canvas:
         if None in self.owners_seen:
             handles.append(Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label=names["empty"]))
         if len(handles) > 1 or "combined" in self.owners_seen or None in self.owners_seen:
-            per_row = max(1, int(self.fig.get_figwidth() // 2.4))
-            self.ax.legend(handles=handles, loc="lower left", ncol=min(len(handles), per_row),
+            columns = min(len(handles), max(1, int(self.fig.get_figwidth() // 2.4)))
+            self.ax.legend(handles=row_major(handles, columns), loc="lower left", ncol=columns,
                            frameon=False, fontsize=FONT - 1, bbox_to_anchor=(0.0, 0.0),
                            handlelength=1.5, columnspacing=1.2)
 
@@ -279,10 +306,38 @@ def _title_width(title: str | None) -> float:
     return len(title) * 0.1 + 0.6 if title else 0.0
 
 
-def _readable(color: str) -> tuple[float, float, float]:
-    """The rank colour, darkened enough to read as text on white (yellow especially)."""
+def _luminance(rgb: np.ndarray) -> float:
+    """WCAG's relative luminance of an sRGB colour (components 0..1)."""
+    linear = np.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+    return float(linear @ np.array([0.2126, 0.7152, 0.0722]))
+
+
+def _darkened(color: str, contrast: float) -> tuple[float, float, float]:
+    """`color`, darkened just enough to stand `contrast`:1 against white (WCAG's ratio)."""
     rgb = np.array([int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
-    return tuple(rgb * 0.75)
+    for _ in range(40):
+        if 1.05 / (_luminance(rgb) + 0.05) >= contrast:
+            break
+        rgb = rgb * 0.95
+    return tuple(rgb)
+
+
+def _readable(color: str) -> tuple[float, float, float]:
+    """The rank colour as text on white: 4.5:1, WCAG's contrast for text (yellow above all)."""
+    return _darkened(color, 4.5)
+
+
+def line_color(color: str) -> tuple[float, float, float]:
+    """The rank colour as a frame or an arrow on white: 3:1, WCAG's contrast for graphics."""
+    return _darkened(color, 3.0)
+
+
+def row_major(handles: list, columns: int) -> list:
+    """Legend entries reordered so that matplotlib, which fills columns first, shows them
+    row by row: rank 0, 1, 2, 3 read left to right, as every picture's panels do."""
+    rows = -(-len(handles) // columns)
+    grid = [handles[r * columns:(r + 1) * columns] for r in range(rows)]
+    return [row[c] for c in range(columns) for row in grid if c < len(row)]
 
 
 MIN_CELL = 0.25  # inches: below this the numbers are no longer legible
@@ -480,7 +535,7 @@ def show_cluster(nodes: int, devices_per_node: int, *, title: str | None = None,
             bx = nx + pad + local * (box_w + pad)
             by = ny + pad
             ax.add_patch(Rectangle((bx, by), box_w, box_h, fc=tint(rank_color(rank)),
-                                   ec=rank_color(rank), lw=1.4))
+                                   ec=line_color(rank_color(rank)), lw=1.4))
             ax.text(bx + box_w / 2, by + box_h - 0.1, f"{device} {local}", ha="center",
                     va="top", fontsize=FONT - 1, color="#444444")
             ax.text(bx + box_w / 2, by + box_h / 2 - 0.04, f"rank {rank}", ha="center",
@@ -523,7 +578,7 @@ def show_mesh(mesh: Sequence[Sequence[int]], *, dim_names: Sequence[str] = ("dim
             x, y = corner(i, j)
             rank = grid[i][j]
             ax.add_patch(Rectangle((x, y), box_w, box_h, fc=tint(rank_color(rank)),
-                                   ec=rank_color(rank), lw=1.6))
+                                   ec=line_color(rank_color(rank)), lw=1.6))
             ax.text(x + box_w / 2, y + box_h * 0.6, f"rank {rank}", ha="center",
                     va="center", fontsize=FONT + 1, fontweight="bold")
             ax.text(x + box_w / 2, y + box_h * 0.22, f"({i}, {j})", ha="center",

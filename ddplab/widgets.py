@@ -26,7 +26,7 @@ from ddplab import collectives, ring
 from ddplab.collectives import COLLECTIVES, REDUCE_OPS, REDUCING, ROOTED, VALUES, Spec
 from ddplab.errors import RankError
 from ddplab.pool import Pool
-from ddplab.viz import png_bytes, show_transfers
+from ddplab.viz import png_bytes, screen_size, show_transfers
 
 TIMEOUT = 10.0  # seconds: a collective on a few values takes milliseconds
 
@@ -128,6 +128,7 @@ class CollectiveExplorer(widgets.VBox):
         before, after = ([pair[i] for pair in pairs] for i in (0, 1))
         self.result, self.error = Result(spec, before, after), None
         self.image.value = png_bytes(self.result.figure)
+        self.image.width = str(screen_size(self.result.figure)[0])
         self.tensors.value = f"<pre>{html.escape(repr(self.result))}</pre>"
         return self.result
 
@@ -202,7 +203,9 @@ class RingStepper(widgets.VBox):
     def _draw(self) -> None:
         step = self.step.value
         self.caption.value = f"<b>{html.escape(self.describe(step))}</b>"
-        self.image.value = png_bytes(self.figure(step))
+        figure = self.figure(step)
+        self.image.value = png_bytes(figure)
+        self.image.width = str(screen_size(figure)[0])
 
     def __repr__(self) -> str:  # what nbval compares: never widget ids
         return (f"RingStepper({self.world_size} ranks, step {self.step.value} of "

@@ -6,6 +6,7 @@ in the cells, the colour of each cell (whose data it holds), labels, legends and
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import numpy as np
@@ -106,9 +107,48 @@ def test_before_after_has_both_rows_and_the_operation():
 def test_transfers_draw_an_arrow_per_message_in_the_senders_colour():
     fig = viz.show_transfers([torch.zeros(2)] * 3, [(0, 1, "send"), (2, 0)])
     arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
-    assert [a.get_edgecolor()[:3] for a in arrows] == [to_rgb(viz.rank_color(0)),
-                                                      to_rgb(viz.rank_color(2))]
+    assert [a.get_edgecolor()[:3] for a in arrows] == [
+        pytest.approx(viz.line_color(viz.rank_color(r))) for r in (0, 2)]
     assert "send" in texts(fig)
+
+
+def contrast(rgb) -> float:
+    return 1.05 / (viz._luminance(np.array(rgb)) + 0.05)
+
+
+def test_every_rank_colour_reads_on_white_as_text_and_as_a_line():
+    # Rank 3's yellow stood 1.3:1 on white; WCAG asks 4.5:1 for text, 3:1 for lines.
+    assert contrast(to_rgb(viz.rank_color(3))) < 1.5
+    for r in range(12):
+        assert contrast(viz._readable(viz.rank_color(r))) >= 4.5
+        assert contrast(viz.line_color(viz.rank_color(r))) >= 3.0
+    # A colour dark enough already is left as it is.
+    assert viz.line_color("#332288") == pytest.approx(to_rgb("#332288"))
+
+
+def test_legend_reads_row_by_row():
+    fig = viz.show_ranks([torch.zeros(2)] * 4)  # a narrow figure: 4 entries over 2 rows
+    legend = fig.axes[0].get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    columns = legend._ncols
+    assert 1 < columns < 4
+    # matplotlib fills columns first; read back row by row, the ranks come in order.
+    rows = -(-len(labels) // columns)
+    by_row = [labels[c * rows + r] for r in range(rows) for c in range(columns)
+              if c * rows + r < len(labels)]
+    assert by_row == [f"rank {r}'s data" for r in range(4)]
+
+
+def test_pictures_are_twice_their_screen_size_and_small():
+    from PIL import Image
+
+    fig = viz.show_ranks([torch.arange(8) + 10 * r for r in range(4)], title="x")
+    data = viz.png_bytes(fig)
+    width, height = viz.screen_size(fig)
+    assert Image.open(io.BytesIO(data)).size == (2 * width, 2 * height)
+    plain = io.BytesIO()
+    fig.savefig(plain, format="png", dpi=fig.dpi)  # the old 1x full-colour picture
+    assert len(data) < len(plain.getvalue())
 
 
 def test_cluster_names_every_rank_with_its_node_and_local_rank():
