@@ -22,7 +22,7 @@ export JUPYTER_PREFER_ENV_PATH = 1
 STAMP := $(VENV)/.ddplab-setup
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test lint notebooks clean
+.PHONY: help setup lab test quick lint notebooks clean
 
 help: ## list the targets
 	@echo "make <target>   (variables: PYTHON VENV TORCH TORCH_INDEX LAB_ARGS PYTEST_ARGS)"
@@ -43,6 +43,9 @@ lab: setup ## open JupyterLab on notebooks/ (pass more options with LAB_ARGS=...
 
 test: lint ## ruff, then the unit tests and nbval over every notebook
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+quick: setup ## the fast inner loop: unit tests without chapters, browser, launchers or slow ones
+	$(VENV)/bin/pytest $(PYTEST_ARGS) -m "not notebook and not browser and not launchers and not slow" tests
 
 lint: setup ## ruff check
 	$(VENV)/bin/ruff check .

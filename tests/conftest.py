@@ -121,8 +121,14 @@ NEEDS_LAUNCHERS = {"06b_launchers_clusters.ipynb"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Chapter 6b's cells need Slurm and OpenMPI: without them, skip the chapter saying what
+    """Every notebook cell gets the `notebook` marker, so that the fast inner loop can leave
+    the chapters out with `-m "not notebook"`.
+
+    Chapter 6b's cells need Slurm and OpenMPI: without them, skip the chapter saying what
     to install (with DDPLAB_REQUIRE_LAUNCHERS set, as in CI, run it and let it fail)."""
+    for item in items:
+        if str(item.fspath).endswith(".ipynb"):
+            item.add_marker(pytest.mark.notebook)
     missing = local_slurm.missing() or (None if shutil.which("mpirun") else
                                         "OpenMPI's mpirun is not installed here. On Debian "
                                         "or Ubuntu: sudo apt-get install openmpi-bin")
