@@ -8,6 +8,7 @@ dependencies as `pip install -e ".[test]"`.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -135,5 +136,21 @@ def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "lab" in out
-    assert "execute" in out
+    # Each command on a line of its own with its description; a bare `"lab" in out` would
+    # pass on the program's name alone.
+    for command in ("lab", "execute", "doctor", "bench", "data"):
+        assert re.search(rf"^ +{command} +[a-z]", out, re.MULTILINE), (command, out)
+
+
+@pytest.mark.parametrize(("command", "option"), [
+    ("lab", "--port"), ("execute", "--timeout"), ("doctor", "--world-size"),
+    ("bench", "--backend"), ("data", "download"),
+])
+def test_each_command_documents_its_options(command: str, option: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: ddplab {command}")
+    assert option in out
