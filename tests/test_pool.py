@@ -130,6 +130,7 @@ def test_errors_on_some_ranks_raise_one_error_with_the_root_cause(pool):
             raise ValueError(f"bad value on {r}")
         return r
 
+    pool.push(kept=0.5)
     with pytest.raises(RankError) as info:
         pool.run(fail)
     err = info.value
@@ -143,7 +144,7 @@ def test_errors_on_some_ranks_raise_one_error_with_the_root_cause(pool):
     assert "--- rank 0 ---" in text and "--- rank 2 (root cause) ---" in text
     assert isinstance(err.failures[0].exception, ValueError)
     assert pool.run(dist.get_rank) == [0, 1, 2]  # usable, and not restarted
-    assert pool.pull("lr") == [0.5] * 3
+    assert pool.pull("kept") == [0.5] * 3  # the ranks' variables survived the failure
 
 
 def test_simultaneous_failures_name_the_lowest_rank_every_time(pool):
@@ -255,6 +256,7 @@ def test_garbage_collected_pool_leaves_no_process():
 
 
 def test_restart_gives_fresh_ranks(pool):
+    pool.push(lr=0.1)
     old = pool.pids
     pool.restart()
     assert gone(old)
@@ -367,10 +369,13 @@ def test_percent_ranks_goes_back_to_the_previous_pool_when_a_newer_one_stops(poo
 def test_shutting_down_never_starts_a_forkserver():
     """At interpreter exit the forkserver may stop before a pool does; tidying up must not
     start a fresh one."""
-    p = Pool(1)
-    forkserver.get().stop()
+    # An import-time variable gives this pool a forkserver of its own, so that stopping it
+    # leaves the ranks of other tests' pools (this module's `pool`) alone.
+    env = {"GLOO_DDPLAB_TEST": "a forkserver of its own"}
+    p = Pool(1, env=env)
+    forkserver.running({**os.environ, **env}).stop()
     p.shutdown()
-    assert forkserver.running() is None
+    assert forkserver.running({**os.environ, **env}) is None
 
 
 # --- 11. events: values a rank sends home while a call runs ---
@@ -414,11 +419,15 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _bookkeeping_settles(server, within: float = 5.0) -> bool:
-    """The forkserver's records of killed ranks empty out once their exits are reported."""
+def _bookkeeping_settles(server, others: frozenset = frozenset(), within: float = 5.0) -> bool:
+    """The forkserver's records of killed ranks empty out once their exits are reported.
+
+    `others` are ranks of pools that other tests keep alive (this module's `pool`), which
+    stay whichever order the tests run in."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if not server.busy() and not server.exits and not server._forgotten:
+        server.busy()  # files the exit reports that have arrived
+        if not (server.children - others) and not server.exits and not server._forgotten:
             return True
         time.sleep(0.05)
     return False
@@ -429,7 +438,8 @@ def test_dropping_pools_without_shutdown_leaks_nothing():
     with Pool(2):  # the forkserver is up and the imports are done before counting
         pass
     server = forkserver.running()
-    assert _bookkeeping_settles(server)
+    others = frozenset(server.children)
+    assert _bookkeeping_settles(server, others)
     before, pids = _open_fds(), []
     for _ in range(30):
         pool = Pool(2)
@@ -437,7 +447,7 @@ def test_dropping_pools_without_shutdown_leaks_nothing():
     del pool
     assert gone(pids)
     assert _open_fds() <= before + 2  # a leak keeps 4 per dropped pool: 120 here
-    assert _bookkeeping_settles(server)
+    assert _bookkeeping_settles(server, others)
 
 
 def _debug_settings():
@@ -587,3 +597,4 @@ def test_quiet_hides_the_ranks_output_and_can_be_switched_between_calls(capfd):
         p.run(print, "shown")
         assert capfd.readouterr().out == "[rank 0]\nshown\n[rank 1]\nshown\n"
         assert not p.quiet
+
