@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 from dataclasses import dataclass
 
 from ddplab.timeouts import DEFAULT as _TIMEOUTS
+
+# The line `tracebacks.format_exception` writes where it left library frames out.
+LIBRARY_FRAMES = re.compile(r"^  \(raised in .*\(\) of .*\)$", re.MULTILINE)
 
 
 @dataclass
@@ -23,11 +27,15 @@ class RankFailure:
     rank: int
     type: str  # the exception's class name, or "died" when the process ended
     message: str
-    traceback: str  # formatted inside the rank: cells named "Cell In[N]", no ddplab frames
+    # As the learner reads it, formatted inside the rank: the learner's frames ("Cell
+    # In[N]") with their source lines, one line for the library function that raised, and
+    # the exception; no ddplab machinery, no frames inside torch.
+    traceback: str
     time: float  # time.monotonic() when it happened (comparable between processes)
     exception_bytes: bytes | None = None
     started: float | None = None  # time.monotonic() when this rank began the call
     hint: str = ""  # the likely cause, and the switch that finds it, when one is known
+    full_traceback: str = ""  # every frame below ddplab's machinery, torch's included
 
     @property
     def elapsed(self) -> float | None:
@@ -48,6 +56,18 @@ class RankFailure:
         if self.type == "died":
             return f"rank {self.rank} {self.message}"
         return f"rank {self.rank} raised {self.type}: {self.message}".rstrip(": ")
+
+    def _without_rank(self, text: str) -> str:
+        return re.sub(rf"\b(rank)\s+{self.rank}\b", r"\1 #", text, flags=re.IGNORECASE)
+
+    def same_as(self, other: RankFailure) -> bool:
+        """True when both ranks failed alike: the same error, the same traceback, the same
+        hint, but for the rank's own number ("... for rank 0" / "... for rank 1")."""
+        if self.type == "died" or other.type == "died":
+            return False
+        return (self.type == other.type and self.hint == other.hint
+                and self._without_rank(self.message) == other._without_rank(other.message)
+                and self._without_rank(self.traceback) == other._without_rank(other.traceback))
 
 
 def describe_exit(status: int | None) -> str:
@@ -218,8 +238,12 @@ class RankError(RuntimeError):
     Attributes: `failures` (rank -> RankFailure), `root_cause` (the rank that failed
     first, or None), `simultaneous` (other ranks that failed at the same moment), `stuck`
     (rank -> Stuck for ranks that were still running), `restarted` (True if the pool
-    rebuilt its ranks, which resets their variables) and `flight` (rank -> its flight
-    recorder dump, taken when ranks were stuck; read it with `ddplab.flight`).
+    rebuilt its ranks, which resets their variables), `flight` (rank -> its flight
+    recorder dump, taken when ranks were stuck; read it with `ddplab.flight`) and `groups`
+    (the failing ranks, those that failed alike together).
+
+    The message shows ranks that failed alike once ("--- ranks 0–3 ---"), and tracebacks
+    without the frames inside torch; each rank's `failures[r].full_traceback` has them.
     """
 
     def __init__(self, failures: dict[int, RankFailure], stuck: dict[int, Stuck],
@@ -235,24 +259,49 @@ class RankError(RuntimeError):
 
     def _compose(self, reason: str) -> str:
         lines = []
+        groups = self.groups
         if self.root_cause is not None:
             root = self.failures[self.root_cause]
             why = ("the first rank to fail" if not self.simultaneous else
                    f"{ranks_text([self.root_cause, *self.simultaneous])} failed at the same time")
             lines.append(f"{root.headline()}  <- root cause ({why})")
-            lines += [f.headline() for r, f in self.failures.items() if r != self.root_cause]
+            for group in groups:
+                others = [r for r in group if r != self.root_cause]
+                first = self.failures[others[0]] if others else None
+                if first is None:
+                    continue
+                if self.root_cause in group:
+                    lines.append(f"{ranks_text(others)} raised the same {first.type}")
+                elif len(others) == 1:
+                    lines.append(first.headline())
+                else:
+                    lines.append(f"{ranks_text(others)} raised {first.type}: "
+                                 f"{first.message}".rstrip(": "))
         if reason:
             lines.append(reason)
         for hint in dict.fromkeys(f.hint for f in self.failures.values() if f.hint):
             lines.append(f"Hint: {hint}")
         if self.restarted:
             lines.append("The pool was restarted, so the ranks' variables are reset.")
-        for r, f in self.failures.items():
-            label = " (root cause)" if r == self.root_cause and len(self.failures) > 1 else ""
+        for group in groups:
+            shown = self.root_cause if self.root_cause in group else group[0]
+            f = self.failures[shown]
+            if len(group) == 1:
+                label = " (root cause)" if shown == self.root_cause and len(
+                    self.failures) > 1 else ""
+            else:
+                label = f" (root cause: rank {shown})" if shown == self.root_cause else ""
             body = f.traceback.rstrip() or (
                 f"(no Python traceback: the process {f.message}; what it printed last, "
                 "if anything, is shown above)")
-            lines += ["", f"--- rank {r}{label} ---", body]
+            lines += ["", f"--- {ranks_span(group)}{label} ---"]
+            if any(self.failures[r].traceback != f.traceback for r in group):
+                lines.append(f"(rank {shown}'s traceback; the others differ only in their "
+                             "rank number)")
+            lines.append(body)
+        if any(LIBRARY_FRAMES.search(f.traceback) for f in self.failures.values()):
+            lines += ["", "(Frames inside libraries are left out; "
+                      "err.failures[r].full_traceback has them all.)"]
         for r, s in self.stuck.items():
             lines += ["", f"--- rank {r}: {s.headline} ---"]
             if s.stack:
@@ -262,6 +311,20 @@ class RankError(RuntimeError):
                 if thread.frames:
                     lines.append(thread.format().rstrip())
         return "\n".join(lines)
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The failing ranks, those that failed alike together: [[0, 1, 2, 3]] when every
+        rank raised the same error, [[0], [1]] when two ranks raised different ones."""
+        groups: list[list[int]] = []
+        for r, f in self.failures.items():
+            for group in groups:
+                if self.failures[group[0]].same_as(f):
+                    group.append(r)
+                    break
+            else:
+                groups.append([r])
+        return groups
 
     def _render_traceback_(self) -> list[str]:
         """What IPython shows: the ranks' story only.
@@ -303,6 +366,23 @@ class PoolNameError(_Plain, NameError):
 
 class PoolClosedError(_Plain, RuntimeError):
     """A call on a pool that has been shut down."""
+
+
+def ranks_span(ranks) -> str:
+    """'rank 2' / 'ranks 0, 2' / 'ranks 0–3' / 'ranks 0–2, 5': runs of three or more
+    consecutive ranks written as a range."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [f"{run[0]}\u2013{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run))
+             for run in runs]
+    return "ranks " + ", ".join(parts)
 
 
 def ranks_text(ranks) -> str:

@@ -6,6 +6,13 @@ machinery, which say nothing about the learner's code, and absolute paths of thi
 (`/tmp/ipykernel_123/456.py`, `.../site-packages/torch/...`), which are noise for a learner and
 make outputs differ between machines. So cells are named the way IPython names them
 (`Cell In[5]`), library files by their path inside the installation, and ddplab's frames go.
+
+A traceback shown to a learner (`format_exception`) goes one step further: the frames
+inside torch and other libraries (c10d_logger's wrappers, `Module._call_impl`, ...) are
+left out, and where the exception was raised inside a library, one line names the
+innermost function and its file, without line numbers that change between releases. The
+learner's own lines keep their numbers and source. Every frame stays available to
+maintainers in `format_full`'s text (`RankFailure.full_traceback`).
 """
 
 from __future__ import annotations
@@ -88,17 +95,64 @@ def _clean(frames: Iterable[traceback.FrameSummary]) -> traceback.StackSummary:
     return traceback.StackSummary.from_list(kept)
 
 
-def _clean_exception(te: traceback.TracebackException) -> None:
-    te.stack = _clean(te.stack)
+# The line that stands for the library frames under the learner's last line.
+LIBRARY_LINE = "  (raised in {function}() of {file})\n"
+
+
+class _LibraryFrame(traceback.FrameSummary):
+    """The innermost frame of the library code a traceback ends in, shown on one line."""
+
+
+class _ShownStack(traceback.StackSummary):
+    def format_frame_summary(self, frame_summary):
+        if isinstance(frame_summary, _LibraryFrame):
+            return LIBRARY_LINE.format(function=frame_summary.name,
+                                       file=frame_summary.filename)
+        return super().format_frame_summary(frame_summary)
+
+
+def _shown(frames: Iterable[traceback.FrameSummary]) -> traceback.StackSummary:
+    """The learner's frames, and one line for the library code the exception came from.
+
+    Library frames between two of the learner's frames (a Module's `__call__` on the way
+    to a cell's `forward`) are left out; a run of them at the end, where the exception
+    was raised, becomes one line naming its innermost function and file.
+    """
+    frames = _after_internal(frames)
+    cleaned = list(_clean(frames))
+    kept = [c for f, c in zip(frames, cleaned, strict=True) if is_user_frame(f.filename)]
+    if frames and not is_user_frame(frames[-1].filename):
+        kept.append(_LibraryFrame(cleaned[-1].filename, None, cleaned[-1].name,
+                                  lookup_line=False))
+    return _ShownStack(kept)
+
+
+def _clean_exception(te: traceback.TracebackException, shown: bool) -> None:
+    te.stack = _shown(te.stack) if shown else _clean(te.stack)
     for chained in (te.__cause__, te.__context__):
         if chained is not None:
-            _clean_exception(chained)
+            _clean_exception(chained, shown)
 
 
 def format_exception(exc: BaseException) -> str:
-    """The exception's traceback without ddplab frames and with readable file names."""
+    """The exception's traceback as a learner should read it.
+
+    The learner's frames (cells, their own files) with line numbers and source lines, then
+    one line for the library function the exception was raised in, then the exception.
+    ddplab's machinery, the frames inside torch and library line numbers are left out.
+    """
     te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
-    _clean_exception(te)
+    _clean_exception(te, shown=True)
+    return "".join(te.format())
+
+
+def format_full(exc: BaseException) -> str:
+    """Every frame below ddplab's machinery, torch's included, with line numbers.
+
+    For maintainers: what `format_exception` leaves out is here.
+    """
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    _clean_exception(te, shown=False)
     return "".join(te.format())
 
 

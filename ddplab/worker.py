@@ -226,7 +226,7 @@ def _failure(exc: BaseException, started: float, note: str = "") -> RankFailure:
     text = tracebacks.format_exception(exc)
     return RankFailure(_spec["rank"], type(exc).__name__, str(exc),
                        text + (f"\n{note}\n" if note else ""), time.monotonic(), pickled,
-                       started=started)
+                       started=started, full_traceback=tracebacks.format_full(exc))
 
 
 def _run(call_id: int, payload: bytes) -> bytes:

@@ -598,3 +598,54 @@ def test_quiet_hides_the_ranks_output_and_can_be_switched_between_calls(capfd):
         assert capfd.readouterr().out == "[rank 0]\nshown\n[rank 1]\nshown\n"
         assert not p.quiet
 
+
+# --- 5b. tracebacks as a learner reads them ---
+
+def _bad_broadcast():
+    dist.broadcast(torch.ones(1), src=dist.get_world_size())  # no such rank: torch raises
+
+
+def test_ranks_failing_alike_show_one_traceback_without_torchs_frames():
+    with Pool(4, timeout=30) as p, pytest.raises(RankError) as info:
+        p.run(_bad_broadcast)
+    err = info.value
+    assert sorted(err.failures) == [0, 1, 2, 3] and err.groups == [[0, 1, 2, 3]]
+    text = str(err)
+    root = err.root_cause  # all four fail at once: which one is first depends on the load
+    assert text.count("--- rank") == 1
+    assert f"--- ranks 0\u20133 (root cause: rank {root}) ---" in text
+    others = [r for r in range(4) if r != root]
+    assert f"ranks {others[0]}, {others[1]} and {others[2]} raised the same RuntimeError" in text
+    shown = err.failures[0].traceback
+    assert "dist.broadcast(torch.ones(1), src=dist.get_world_size())" in shown  # the cell's line
+    assert "in _bad_broadcast" in shown and "  (raised in " in shown
+    assert "distributed_c10d.py\", line" not in text  # no torch frame, no library line number
+    assert "c10d_logger.py" not in text and "ddplab/worker.py" not in text
+    full = err.failures[0].full_traceback  # every frame, for maintainers
+    assert 'distributed_c10d.py", line' in full and "c10d_logger.py" in full
+    assert shown.splitlines()[-1] == full.splitlines()[-1]  # the same exception line
+    assert err.failures[2].exception is not None  # the structured data is intact
+
+
+def test_different_failures_keep_their_own_tracebacks(pool):
+    def two_kinds():
+        if dist.get_rank() == 1:
+            raise KeyError("one")
+        raise ValueError(f"rank {dist.get_rank()} is unhappy")  # alike but for the number
+
+    with pytest.raises(RankError) as info:
+        pool.run(two_kinds)
+    err = info.value
+    assert err.groups == [[0, 2], [1]]
+    text = str(err)
+    if err.root_cause == 1:  # the three fail at once: which is first depends on the load
+        assert "--- ranks 0, 2 ---" in text and "--- rank 1 (root cause) ---" in text
+        assert "ranks 0 and 2 raised ValueError: rank 0 is unhappy" in text
+    else:
+        shown, other = err.root_cause, 2 - err.root_cause
+        assert f"--- ranks 0, 2 (root cause: rank {shown}) ---" in text
+        assert "--- rank 1 ---" in text and "rank 1 raised KeyError: 'one'" in text
+        assert f"rank {other} raised the same ValueError" in text
+        assert f"(rank {shown}'s traceback; the others differ only in their rank number)" \
+            in text
+    assert err.failures[2].message == "rank 2 is unhappy"  # the structured data is intact
