@@ -44,7 +44,7 @@ CELL = 0.45  # inches per cell
 GAP = 0.45  # inches between panels
 MAX_WIDTH = 15.0  # inches: wider layouts shrink their cells
 FONT = 10
-ARC = 0.35  # inches an arrow between panels bows above or below them
+ARC = 0.15  # how far an arrow between panels bows, per inch of distance it spans
 
 Owner = int | tuple[int, ...] | None
 """Whose data a cell holds: a rank, several ranks (a combined value), or None (empty)."""
@@ -238,8 +238,9 @@ class _Canvas:
                 x, y = panel.x + j * c, panel.y + (rows - 1 - i) * c
                 self._cell(x, y, panel.owners[i][j])
                 lift = 0.58 if isinstance(panel.owners[i][j], tuple) else 0.5  # above a bar
-                self.ax.text(x + c / 2, y + c * lift, format_value(panel.values[i, j]),
-                             ha="center", va="center", fontsize=FONT * min(1, c / CELL) + 0.5)
+                text = format_value(panel.values[i, j])
+                self.ax.text(x + c / 2, y + c * lift, text, ha="center", va="center",
+                             fontsize=_digits_size(text, c))
         if rows * cols == 0:
             self.ax.add_patch(Rectangle((panel.x, panel.y), c, c, fill=False, ls=":",
                                         ec="#777777"))
@@ -268,20 +269,44 @@ class _Canvas:
         self.ax.add_patch(Rectangle((x, y), c, c, fill=False, ec="white", lw=1.0))
 
     def arrow(self, start: tuple[float, float], end: tuple[float, float], color: str,
-              depth: float = 0.0, label: str | None = None) -> None:
-        """An arrow that bows `depth` inches to its left (negative: to its right)."""
+              depth: float = 0.0, label: str | None = None,
+              avoid: list | None = None) -> None:
+        """An arrow that bows `depth` inches to its left (negative: to its right).
+
+        A label goes beside the arc, at the first place along it where its box meets no
+        line and no box of `avoid` (arcs as arrays of points, boxes as (x0, y0, x1, y1));
+        the box it takes is added to `avoid`, so the next label keeps clear of it too.
+        """
         distance = float(np.hypot(end[0] - start[0], end[1] - start[1])) or 1.0
         rad = -2 * depth / distance  # arc3's bulge is rad/2 of the distance
         self.ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14,
                                           lw=1.8, color=line_color(color), shrinkA=2, shrinkB=2,
                                           connectionstyle=f"arc3,rad={rad}"))
-        if label:  # at the arc's apex: the midpoint pushed out by rad/2 of the normal
-            (x1, y1), (x2, y2) = start, end
-            nx, ny = (y2 - y1) * rad / 2, -(x2 - x1) * rad / 2
-            up = ny >= 0
-            self.ax.text((x1 + x2) / 2 + nx, (y1 + y2) / 2 + ny + (0.06 if up else -0.06),
-                         label, ha="center", va="bottom" if up else "top",
-                         fontsize=FONT - 1, color=_readable(color))
+        if not label:
+            return
+        avoid = [] if avoid is None else avoid
+        points = _arc_points(start, end, depth)
+        outward = 1.0 if points[len(points) // 2][1] >= (start[1] + end[1]) / 2 else -1.0
+        w, h = _label_size(label)
+        candidates = []
+        steps = [0.5 + sign * k / 20 for k in range(9) for sign in (1, -1)][1:]  # apex first
+        for side in (outward, -outward):
+            for t in steps:
+                px, py = points[round(t * (len(points) - 1))]
+                y0 = py + 0.05 if side > 0 else py - 0.05 - h
+                candidates.append((px - w / 2, y0, px + w / 2, y0 + h))
+            if side == outward:  # beside the arrow's tail, just off the panels' edge
+                sx, sy = start
+                y0 = sy + 0.02 if outward > 0 else sy - 0.02 - h
+                candidates += [(sx + 0.1, y0, sx + 0.1 + w, y0 + h),
+                               (sx - 0.1 - w, y0, sx - 0.1, y0 + h)]
+        obstacles = [*avoid, points]
+        box = next((b for b in candidates if not any(_hits(b, o) for o in obstacles)),
+                   candidates[0])
+        avoid.append(box)
+        self.ax.text((box[0] + box[2]) / 2, (box[1] + box[3]) / 2, label, ha="center",
+                     va="center", fontsize=FONT - 1, color=_readable(color), zorder=4,
+                     bbox={"fc": "white", "ec": "none", "pad": 0.5})
 
     def legend(self, ranks: int, names: dict | None = None) -> None:
         """Explain the colours used; `names` rewords "rank", "combined" or "empty"."""
@@ -419,25 +444,180 @@ def show_ranks(tensors: Sequence, owners: Sequence | None = None, *, title: str 
 
 def show_before_after(before: Sequence, after: Sequence, *, owners_before: Sequence | None = None,
                       owners_after: Sequence | None = None, title: str | None = None,
-                      op: str | None = None,
-                      moves: Sequence[tuple[int, int]] = ()) -> Figure:
+                      op: str | None = None, moves: Sequence[tuple] = (),
+                      combine_into: int | None = None) -> Figure:
     """Each rank's tensor before (top row) and after (bottom row) an operation.
 
-    `op` labels the step between the rows (e.g. "dist.all_reduce(x)"); `moves` draws an
-    arrow from rank src's "before" panel to rank dst's "after" panel for each (src, dst).
+    `op` labels the step between the rows (e.g. "dist.all_reduce(x)"). `moves` draws an
+    arrow from rank src's "before" panel to rank dst's "after" panel for each (src, dst);
+    a move (src, dst, i) leaves piece i of src's tensor instead, and src's 2-D tensor is
+    then drawn as its rows side by side (a list of pieces, as `scatter` takes), so every
+    arrow leaves the piece it carries. `combine_into=dst` draws a reduction: every rank's
+    tensor flows into one Σ that lands on rank dst, without claiming a route (the backend
+    picks one, and the other ranks' leftovers show where its partial sums went).
     """
+    pieces = {m[0]: as_grid(before[m[0]]).shape for m in moves if len(m) > 2}
+    before = [as_grid(t).reshape(1, -1) if r in pieces else t for r, t in enumerate(before)]
     top = _panels(before, owners_before, None)
     bottom = _panels(after, owners_after, None)
     _check_width(top + bottom)
-    canvas = _row_layout([top, bottom], ["before", f"after {op}" if op else "after"], title,
-                         max(len(top), len(bottom)), between=0.25)
-    for src, dst in moves:
+    arrows = bool(moves) or combine_into is not None
+    caption = f"after {op}" if op else "after"
+    canvas = _row_layout([top, bottom], ["before", None if arrows else caption], title,
+                         max(len(top), len(bottom)), between=0.75 if arrows else 0.25)
+    cell = canvas.cell
+    for r, (rows, cols) in pieces.items():  # dividers between the pieces, in frame colour
+        for k in range(1, rows):
+            x = top[r].x + k * cols * cell
+            canvas.ax.plot([x, x], [top[r].y, top[r].y + cell], color=line_color(
+                rank_color(r)), lw=2.4, solid_capstyle="butt")
+    low = max(b.y + max(b.height, 1) * cell for b in bottom) + 0.3  # above the labels
+    segments = []
+    for move in moves:
+        src, dst = move[0], move[1]
         a, b = top[src], bottom[dst]
-        start = (a.x + max(a.width, 1) * canvas.cell / 2, a.y - 0.05)
-        end = (b.x + max(b.width, 1) * canvas.cell / 2,
-               b.y + max(b.height, 1) * canvas.cell + 0.3)
-        canvas.arrow(start, end, rank_color(src))
+        if len(move) > 2:
+            sx = a.x + (move[2] + 0.5) * pieces[src][1] * cell
+        else:
+            sx = a.x + max(a.width, 1) * cell / 2
+        end = (b.x + max(b.width, 1) * cell / 2, low)
+        canvas.arrow((sx, a.y - 0.05), end, rank_color(src))
+        segments.append(((sx, a.y - 0.05), end))
+    if combine_into is not None:
+        b = bottom[combine_into]
+        hub = (b.x + max(b.width, 1) * cell / 2, low + 0.12)
+        for a in top:
+            start = (a.x + max(a.width, 1) * cell / 2, a.y - 0.05)
+            canvas.ax.annotate("", hub, start, arrowprops={
+                "arrowstyle": "-", "color": line_color(rank_color(a.rank)), "lw": 1.8,
+                "shrinkA": 2, "shrinkB": 9})
+            segments.append((start, hub))
+        segments.append(((hub[0] - 0.15, hub[1] + 0.15), (hub[0] + 0.15, low - 0.12)))
+        canvas.ax.annotate("", (hub[0], low - 0.12), hub, arrowprops={
+            "arrowstyle": "-|>", "color": "#555555", "lw": 1.8, "mutation_scale": 14,
+            "shrinkA": 9, "shrinkB": 0})
+        canvas.ax.text(*hub, "Σ", ha="center", va="center", fontsize=FONT + 1, zorder=4,
+                       bbox={"boxstyle": "circle,pad=0.2", "fc": "white", "ec": "#555555"})
+    if not arrows:  # the caption sits above the row, as "before" does
+        return canvas.fig
+    width, height = _label_size(caption, FONT)
+    gap_top = min(a.y for a in top) - 0.1
+    right = canvas.ax.get_xlim()[1] - 0.1
+    place = (0.3, low + height / 2)  # if no height has room: bottom left
+    for y in np.arange(low + height / 2, gap_top - height / 2 + 1e-9, 0.05):
+        x = _free_x([_x_range(seg, y - height / 2, y + height / 2) for seg in segments],
+                    width)
+        if x + width <= right:
+            place = (x, y)
+            break
+    canvas.ax.text(*place, caption, ha="left", va="center", fontsize=FONT, color="#444444",
+                   style="italic", zorder=5)
     return canvas.fig
+
+
+def _digits_size(text: str, cell: float) -> float:
+    """Font size for a value in a cell: as in every picture, but small enough that four or
+    five digits keep a margin of an eighth of the cell on each side (DejaVu Sans digits
+    are 0.64 em wide)."""
+    fits = 0.75 * cell * 72 / (0.64 * max(len(text), 1))
+    return min(FONT * min(1, cell / CELL) + 0.5, fits)
+
+
+def show_inbox(inbox, senders: Sequence[int], sent: dict, *, receiver: int = 0,
+               labels: Sequence[str] | None = None, title: str | None = None) -> Figure:
+    """One rank's received messages, row by row, each with an arrow from its sender.
+
+    `inbox` is the receiver's 2-D tensor, row i received from rank `senders[i]`, which
+    sent `sent[senders[i]]`. The senders stand in a column to the right, each level with
+    the row it filled, so every arrow is short, straight and lands on its own row;
+    `labels[i]` is written above arrow i.
+    """
+    grid = as_grid(inbox)
+    rows, cols = grid.shape
+    if len(senders) != rows:
+        raise ValueError(f"the inbox has {rows} rows but {len(senders)} senders are named")
+    labels = list(labels) if labels is not None else [""] * rows
+    cell = CELL
+    gap = max([_label_size(t)[0] for t in labels] + [1.0]) + 0.5
+    widths = [as_grid(sent[s]).shape[1] for s in senders]
+    right = 0.3 + cols * cell + gap + max(widths) * cell + 1.0
+    ranks = max([receiver, *senders]) + 1
+    legend_h = 0.15 + 0.28 * -(-len(set(senders)) // max(1, int(right // 2.4)))
+    title_h = 0.45 if title else 0.1
+    height = title_h + 0.35 + rows * cell + 0.25 + legend_h
+    canvas = _Canvas(max(right, _title_width(title)), height, cell, title)
+    y0 = height - title_h - 0.35 - rows * cell
+    box = _Panel(receiver, grid, owner_grid([[s] * cols for s in senders], grid.shape,
+                                            receiver), f"rank {receiver}'s inbox", 0.3, y0)
+    canvas.grid(box)
+    for i, (s, label) in enumerate(zip(senders, labels, strict=True)):
+        y = y0 + (rows - 1 - i) * cell
+        values = as_grid(sent[s])
+        panel = _Panel(s, values, owner_grid(None, values.shape, s), "",
+                       0.3 + cols * cell + gap, y)
+        canvas.grid(panel)
+        canvas.ax.text(panel.x + values.shape[1] * cell + 0.1, y + cell / 2, f"rank {s}",
+                       ha="left", va="center", fontsize=FONT + 1, fontweight="bold",
+                       color=_readable(rank_color(s)))
+        canvas.arrow((panel.x - 0.06, y + cell / 2), (0.3 + cols * cell + 0.06, y + cell / 2),
+                     rank_color(s))
+        if label:
+            canvas.ax.text(0.3 + cols * cell + gap / 2, y + cell / 2 + 0.05, label,
+                           ha="center", va="bottom", fontsize=FONT - 1,
+                           color=_readable(rank_color(s)))
+    canvas.legend(ranks)
+    return canvas.fig
+
+
+def _label_size(text: str, size: float = FONT - 1) -> tuple[float, float]:
+    """About the inches a line of text takes (DejaVu Sans: 0.6 em a character)."""
+    return len(text) * size * 0.6 / 72 + 0.06, size * 1.3 / 72 + 0.04
+
+
+def _x_range(segment: tuple, y0: float, y1: float) -> tuple[float, float]:
+    """The x-interval a straight segment covers between heights y0 and y1 (empty: inf)."""
+    (xa, ya), (xb, yb) = segment
+    if ya == yb:
+        return (min(xa, xb), max(xa, xb)) if y0 <= ya <= y1 else (np.inf, np.inf)
+    t = sorted(((y0 - ya) / (yb - ya), (y1 - ya) / (yb - ya)))
+    t0, t1 = max(t[0], 0.0), min(t[1], 1.0)
+    if t0 > t1:
+        return (np.inf, np.inf)
+    xs = (xa + t0 * (xb - xa), xa + t1 * (xb - xa))
+    return min(xs), max(xs)
+
+
+def _free_x(spans: list[tuple[float, float]], width: float) -> float:
+    """The leftmost x from 0.3 where `width` inches meet none of the `spans` (0.1 apart)."""
+    x = 0.3
+    for lo, hi in sorted(spans):
+        if x + width <= lo - 0.1:
+            break
+        x = max(x, hi + 0.1)
+    return x
+
+
+def _arc_points(start: tuple[float, float], end: tuple[float, float], depth: float,
+                n: int = 61) -> np.ndarray:
+    """Points along the arc `_Canvas.arrow` draws (matplotlib's arc3: a quadratic Bézier
+    whose control point is twice as far out as the apex)."""
+    (x1, y1), (x2, y2) = start, end
+    distance = float(np.hypot(x2 - x1, y2 - y1)) or 1.0
+    rad = -2 * depth / distance
+    control = np.array([(x1 + x2) / 2 + rad * (y2 - y1), (y1 + y2) / 2 - rad * (x2 - x1)])
+    t = np.linspace(0, 1, n)[:, None]
+    return (1 - t) ** 2 * np.array(start) + 2 * t * (1 - t) * control + t ** 2 * np.array(end)
+
+
+def _hits(box: tuple, obstacle) -> bool:
+    """Does `box` (x0, y0, x1, y1) meet an obstacle: another box, or a line of points?"""
+    x0, y0, x1, y1 = box
+    if isinstance(obstacle, tuple):
+        a0, b0, a1, b1 = obstacle
+        return x0 < a1 and a0 < x1 and y0 < b1 and b0 < y1
+    p = obstacle
+    return bool(np.any((p[:, 0] > x0 - 0.03) & (p[:, 0] < x1 + 0.03)
+                       & (p[:, 1] > y0 - 0.03) & (p[:, 1] < y1 + 0.03)))
 
 
 def show_transfers(tensors: Sequence, moves: Sequence[tuple], owners: Sequence | None = None, *,
@@ -445,27 +625,39 @@ def show_transfers(tensors: Sequence, moves: Sequence[tuple], owners: Sequence |
     """Ranks side by side, with an arrow for each message: (src, dst) or (src, dst, label).
 
     Arrows bend above the panels for messages to a higher rank and below for messages to a
-    lower one; longer ones bow further, and the ends meeting at a panel are spread along
-    its edge so that fanning-out and converging arrows nest instead of crossing.
+    lower one. The ends meeting at a panel are spread along its edge, outer arcs outermost,
+    and an arc bows in proportion to its length, so arrows fanning out of one rank or
+    converging on one nest instead of crossing. Labels sit beside their arc where no line
+    passes.
     """
     panels = _panels(tensors, owners, None)
     _check_width(panels)
     arrows = [(m[0], m[1], m[2] if len(m) > 2 else None) for m in moves if m[0] != m[1]]
+    cell = _cell_size(sum(max(p.width, 1) for p in panels), GAP * (len(panels) - 1) + 0.6)
+    x = 0.3
+    for panel in panels:  # where _row_layout will put them: the arcs' depths depend on it
+        panel.x = x
+        x += max(panel.width, 1) * cell + GAP
+    ends = _spread_ends(panels, arrows, cell)
+    depths = [_depth(abs(ends[i, "dst"] - ends[i, "src"])) for i in range(len(arrows))]
 
     def room(forward: bool) -> float:
-        mine = [(s, d, label) for s, d, label in arrows if (d > s) == forward]
+        mine = [(d, a[2]) for d, a in zip(depths, arrows, strict=True) if (a[1] > a[0]) == forward]
         if not mine:
             return 0.1
-        return max(_depth(s, d) for s, d, _ in mine) + (0.3 if any(m[2] for m in mine) else 0.1)
+        return max(d for d, _ in mine) + (0.3 if any(label for _, label in mine) else 0.1)
 
     canvas = _row_layout([panels], [None], title, len(panels), room_above=room(True),
                          room_below=room(False))
     top = max(max(p.height, 1) for p in panels) * canvas.cell + 0.35  # above the titles
-    ends = _spread_ends(panels, arrows, canvas.cell)
-    for i, (src, dst, label) in enumerate(arrows):
+    lines = []
+    for i, (src, dst, _) in enumerate(arrows):
         y = panels[src].y + (top if dst > src else -0.05)
-        canvas.arrow((ends[i, "src"], y), (ends[i, "dst"], y), rank_color(src),
-                     depth=_depth(src, dst), label=label)
+        lines.append(((ends[i, "src"], y), (ends[i, "dst"], y)))
+    avoid = [_arc_points(a, b, d) for (a, b), d in zip(lines, depths, strict=True)]
+    avoid += [(p.x, p.y, p.x + max(p.width, 1) * canvas.cell, p.y + top) for p in panels]
+    for (a, b), depth, (src, _, label) in zip(lines, depths, arrows, strict=True):
+        canvas.arrow(a, b, rank_color(src), depth=depth, label=label, avoid=avoid)
     return canvas.fig
 
 
@@ -479,7 +671,7 @@ def _spread_ends(panels: list[_Panel], arrows: list[tuple], cell: float) -> dict
     ends = {}
     for (rank, _), items in slots.items():
         # Ends whose other side lies to the left come first; among each group, the farther
-        # the other side, the more outward (left) the end, so longer arcs enclose shorter.
+        # the other side, the more outward the end, so longer arcs enclose shorter ones.
         items.sort(key=lambda item: (item[0] > item[1], -item[0]))
         panel = panels[rank]
         width = max(panel.width, 1) * cell
@@ -488,9 +680,10 @@ def _spread_ends(panels: list[_Panel], arrows: list[tuple], cell: float) -> dict
     return ends
 
 
-def _depth(src: int, dst: int) -> float:
-    """Arcs over longer distances bow further, so arrows fanning out of one rank nest."""
-    return ARC * (1 + 0.45 * (abs(dst - src) - 1))
+def _depth(span: float) -> float:
+    """How far an arc bows: in proportion to the distance it spans (inches), so that of two
+    arcs on one side, the one with the wider span lies outside the other all along."""
+    return max(0.2, ARC * span)
 
 
 def show_cluster(nodes: int, devices_per_node: int, *, title: str | None = None,

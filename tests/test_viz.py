@@ -321,3 +321,111 @@ def test_show_bars_draws_each_value_to_scale_with_its_unit_and_note():
         viz.show_bars([])
     with pytest.raises(ValueError, match="0 or more"):
         viz.show_bars([("negative", -1.0)])
+
+
+# --- arrows, labels and pieces (chapters 3 and 4a) ---
+
+def _drawn(fig):
+    """Render once; return the axes, its arrows' paths in pixels and its texts' boxes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    ax = fig.axes[0]
+    renderer = canvas.get_renderer()
+    paths = [ax.transData.transform(p.get_path().interpolated(40).vertices)
+             for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    boxes = {t.get_text(): t.get_window_extent(renderer) for t in ax.texts}
+    return ax, paths, boxes
+
+
+def test_transfer_labels_sit_where_no_arc_passes():
+    # A longer arc (3 -> 0) passed right through the label of a shorter one (3 -> 2).
+    xs = [torch.arange(4) + 10 * r for r in range(4)]
+    for moves in ([(0, 1, "a"), (3, 2, "b"), (3, 0)],
+                  [(1, 0, "arrived #3"), (2, 0, "arrived #2"), (3, 0, "arrived #1")],
+                  [(0, 2, "long"), (1, 3, "crossing"), (3, 1, "back")]):
+        _, paths, boxes = _drawn(viz.show_transfers(xs, moves))
+        for move in moves:
+            if len(move) < 3:
+                continue
+            box = boxes[move[2]]
+            for path in paths:
+                inside = ((path[:, 0] > box.x0) & (path[:, 0] < box.x1)
+                          & (path[:, 1] > box.y0) & (path[:, 1] < box.y1))
+                assert not inside.any(), f"an arrow crosses the label {move[2]!r} ({moves})"
+
+
+def _height_at(path, xs):
+    """The y of a drawn arc (pixels) at each x of `xs`."""
+    order = np.argsort(path[:, 0])
+    return np.interp(xs, path[order, 0], path[order, 1])
+
+
+def test_arcs_converging_on_one_rank_nest_without_crossing():
+    # rank 3's two arrows crossed: the shorter arc dipped below the longer one near rank 3.
+    xs = [torch.arange(4) + 10 * r for r in range(4)]
+    for moves in ([(3, 2), (3, 0)], [(1, 0), (2, 0), (3, 0)], [(0, 1), (0, 2), (0, 3)]):
+        _, paths, _ = _drawn(viz.show_transfers(xs, moves))
+        for i, a in enumerate(paths):
+            for b in paths[i + 1:]:
+                # away from the shared panel, one arc lies strictly outside the other
+                lo, hi = max(a[:, 0].min(), b[:, 0].min()), min(a[:, 0].max(), b[:, 0].max())
+                grid = np.linspace(lo + 15, hi - 15, 30)
+                order = np.sign(_height_at(a, grid) - _height_at(b, grid))
+                assert len(set(order)) == 1, f"two arcs cross ({moves})"
+
+
+def test_scatter_arrows_leave_the_piece_they_carry():
+    jobs = torch.arange(16).reshape(4, 4)
+    empty = torch.zeros(4, dtype=torch.int64)
+    fig = viz.show_before_after([jobs, empty, empty, empty], list(jobs),
+                                owners_before=[0] + [viz.EMPTY_BUFFER] * 3,
+                                owners_after=[0] * 4, moves=[(0, i, i) for i in range(4)],
+                                op="dist.scatter(piece, jobs, src=0)")
+    ax, _, boxes = _drawn(fig)
+    arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    starts = [a._posA_posB[0][0] for a in arrows]
+    # the root's list is drawn as its pieces side by side, and arrow i leaves piece i
+    cells = {}
+    for t in ax.texts:  # the first of each number: the "before" row
+        if t.get_text().isdigit():
+            cells.setdefault(t.get_text(), t.get_position()[0])
+    for i, x in enumerate(starts):
+        assert cells[str(4 * i)] < x < cells[str(4 * i + 3)]
+    caption = boxes["after dist.scatter(piece, jobs, src=0)"]
+    for path in _drawn(fig)[1]:
+        assert not ((path[:, 0] > caption.x0) & (path[:, 0] < caption.x1)
+                    & (path[:, 1] > caption.y0) & (path[:, 1] < caption.y1)).any()
+
+
+def test_a_reduction_flows_into_one_sum_and_long_numbers_keep_a_margin():
+    gs = [(torch.arange(4) + 1) * 10 ** r for r in range(4)]
+    after = [torch.tensor([1111, 2222, 3, 4]), torch.tensor([1110, 2220, 3333, 4444]),
+             torch.tensor([1111, 2222, 3333, 4444]), torch.tensor([1000, 2000, 3003, 4004])]
+    fig = viz.show_before_after(gs, after, combine_into=2, op="dist.reduce(summed, dst=2)")
+    ax, _, boxes = _drawn(fig)
+    assert "Σ" in texts(fig)
+    # no arrow claims a route from one rank to another (the old picture drew 0 -> 2 while
+    # rank 0's leftovers held rank 1's data): lines meet in a Σ, one arrow goes to rank 2
+    assert not [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    cell = viz.CELL * fig.dpi
+    for text in ("1111", "3333", "4004"):
+        assert boxes[text].width < 0.8 * cell, f"{text} touches its cell's edges"
+
+
+def test_inbox_arrows_land_on_the_row_each_message_filled():
+    xs = [torch.arange(4) + 10 * r for r in range(4)]
+    senders = [3, 2, 1]
+    fig = viz.show_inbox(torch.stack([xs[s] for s in senders]), senders,
+                         {s: xs[s] for s in senders},
+                         labels=[f"arrived #{i + 1}" for i in range(3)])
+    ax, paths, boxes = _drawn(fig)
+    arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    rows = [t.get_position()[1] for t in ax.texts if t.get_text() in ("30", "20", "10")][:3]
+    assert [a._posA_posB[1][1] for a in arrows] == pytest.approx(sorted(rows, reverse=True))
+    for i in range(3):
+        box = boxes[f"arrived #{i + 1}"]
+        for path in paths:
+            assert not ((path[:, 0] > box.x0) & (path[:, 0] < box.x1)
+                        & (path[:, 1] > box.y0) & (path[:, 1] < box.y1)).any()
