@@ -157,14 +157,38 @@ def owners(spec: Spec, world_size: int) -> tuple[list, list]:
     return before, after
 
 
-def moves(spec: Spec, world_size: int) -> list[tuple[int, int]]:
-    """Arrows for the rooted collectives: out of the root, or into it."""
+def moves(spec: Spec, world_size: int) -> list[tuple]:
+    """Arrows for the rooted collectives: out of the root, or into it.
+
+    A scatter's arrow i leaves piece i of the root's list, (root, i, i), when the pieces
+    fit side by side in one row of the picture; a reduce draws no arrows (see `figure`).
+    """
     others = [r for r in range(world_size) if r != spec.root]
+    if spec.collective == "scatter" and world_size * spec.length <= 16:
+        return [(spec.root, r, r) for r in range(world_size)]
     if spec.collective in ("broadcast", "scatter"):
         return [(spec.root, r) for r in others]
-    if spec.collective in ("reduce", "gather"):
+    if spec.collective == "gather":
         return [(r, spec.root) for r in range(world_size)]
     return []
+
+
+TITLES = {
+    "broadcast": "rank {root}'s tensor is copied to every rank",
+    "reduce": "the {op} of every rank's tensor lands on rank {root}",
+    "all_reduce": "every rank gets the {op} of every rank's tensor",
+    "gather": "every rank's tensor lands on rank {root}, in rank order",
+    "all_gather": "every rank gets every rank's tensor, in rank order",
+    "scatter": "piece i of rank {root}'s list goes to rank i",
+    "reduce_scatter": "rank i gets piece i of the {op} of everyone's pieces",
+    "all_to_all": "piece j of rank i goes to rank j, as its piece i",
+}
+
+
+def title(spec: Spec) -> str:
+    """What the collective did, in words: the picture's title."""
+    what = TITLES[spec.collective].format(root=spec.root, op=spec.op)
+    return f"{spec.collective}: {what}"
 
 
 def source(spec: Spec) -> str:
@@ -185,7 +209,13 @@ def source(spec: Spec) -> str:
 
 
 def figure(spec: Spec, before: list[torch.Tensor], after: list[torch.Tensor]):
-    """The before/after picture of one run, coloured by whose data each cell holds."""
+    """The before/after picture of one run, coloured by whose data each cell holds.
+
+    Titled with what the collective did. With one value per piece, a rank's pieces are drawn
+    side by side rather than stacked, so the picture stays a short, wide strip. A reduce
+    draws every rank's tensor flowing into one Σ on the root: the route is the backend's
+    choice, and the other ranks' buffers are scratch space, left out.
+    """
     from ddplab import viz
 
     world = len(before)
@@ -196,9 +226,20 @@ def figure(spec: Spec, before: list[torch.Tensor], after: list[torch.Tensor]):
     if spec.collective in REDUCING:
         settings.append(f"op={spec.op}")
     label = f"dist.{spec.collective}({', '.join(settings)})"
+    arrows = moves(spec, world)
+    if spec.length == 1:
+        pieces = {m[0] for m in arrows if len(m) > 2}
+        before = [t if r in pieces else _as_row(t) for r, t in enumerate(before)]
+        after = [_as_row(t) for t in after]
     return viz.show_before_after(before, after, owners_before=owners_before,
-                                 owners_after=owners_after, op=label,
-                                 moves=moves(spec, world))
+                                 owners_after=owners_after, op=label, moves=arrows,
+                                 combine_into=spec.root if spec.collective == "reduce" else None,
+                                 title=title(spec))
+
+
+def _as_row(t: torch.Tensor) -> torch.Tensor:
+    """A column of one-value pieces (n x 1) as a row of n values; anything else as it is."""
+    return t.reshape(1, -1) if t.dim() == 2 and t.shape[1] == 1 else t
 
 
 def describe(before: list[torch.Tensor], after: list[torch.Tensor]) -> str:

@@ -10,7 +10,9 @@ milliseconds on a warm pool) and redraws the before/after picture, so a learner 
 reading it. The logic lives in plain methods and attributes (`spec`, `update`, `result`,
 `image.value`, `tensors.value`), so tests drive the widget objects directly, no kernel
 needed; `show(...)` sets several controls at once and returns the figure, which is how a
-notebook shows a fixed, comparable picture beside the live panel.
+notebook shows a fixed, comparable picture beside the live panel. `run(...)` runs other
+settings once without touching the panel, so the panel keeps showing what its own cell set
+(in the live notebook and in its saved widget state alike).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class Result:
 
     def __repr__(self) -> str:
         return collectives.describe(self.before, self.after)
+
+    def _repr_png_(self):  # a cell ending with a Result shows its picture above the text
+        from ddplab.viz import _png_for_notebook
+
+        return _png_for_notebook(self.figure)
 
 
 class CollectiveExplorer(widgets.VBox):
@@ -110,6 +117,23 @@ class CollectiveExplorer(widgets.VBox):
             raise RuntimeError(self.error)
         return self.result.figure
 
+    def run(self, **settings) -> Result:
+        """Run the current settings changed by `settings` (names as in `Spec`) once, and
+        return the result (a cell ending with it shows the picture and the tensors).
+
+        Unlike `show`, the panel is left as it is: its controls and picture keep saying
+        what they said, so a panel shown in an earlier cell (and the notebook's saved copy
+        of it) never shows another cell's collective.
+        """
+        spec = replace(self.spec, **settings)
+        spec.check(self.pool.world_size)
+        return self._run(spec)
+
+    def _run(self, spec: Spec) -> Result:
+        pairs = self.pool.run(collectives.run_on_rank, spec, timeout=TIMEOUT)
+        before, after = ([pair[i] for pair in pairs] for i in (0, 1))
+        return Result(spec, before, after)
+
     def update(self) -> Result | None:
         """Run the current settings on every rank and redraw; errors are shown, not raised."""
         spec = self.spec
@@ -118,15 +142,14 @@ class CollectiveExplorer(widgets.VBox):
         self.seed.disabled = spec.values != "random ints"
         self.code.value = f"<code>{html.escape(collectives.source(spec))}</code>"
         try:
-            pairs = self.pool.run(collectives.run_on_rank, spec, timeout=TIMEOUT)
+            result = self._run(spec)
         except RankError as error:
             self.result, self.error = None, str(error).splitlines()[0]
             self.image.value = b""
             self.tensors.value = (f"<pre style='color:#B00020'>{html.escape(self.error)}"
                                   "</pre>")
             return None
-        before, after = ([pair[i] for pair in pairs] for i in (0, 1))
-        self.result, self.error = Result(spec, before, after), None
+        self.result, self.error = result, None
         self.image.value = png_bytes(self.result.figure)
         self.image.width = str(screen_size(self.result.figure)[0])
         self.tensors.value = f"<pre>{html.escape(repr(self.result))}</pre>"

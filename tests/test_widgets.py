@@ -103,6 +103,36 @@ def test_show_sets_everything_at_once_and_returns_the_picture(explorer):
                               "values='arange', 3 ranks)")
 
 
+def test_run_answers_other_settings_and_leaves_the_panel_as_its_cell_left_it(explorer):
+    # 4a's later cells drove the panel of an earlier cell, whose saved state then showed
+    # their collective (and the same picture twice: in the panel and in their output).
+    picture, text = explorer.image.value, explorer.tensors.value
+    result = explorer.run(collective="all_to_all", length=1)
+    assert explorer.collective.value == "all_reduce" and explorer.length.value == 4
+    assert explorer.image.value == picture and explorer.tensors.value == text
+    assert result.after[1].tolist() == [[1], [4], [7]]
+    data, size = result._repr_png_()
+    assert data.startswith(PNG) and size["width"] > size["height"]  # a strip, not a column
+    shown = [t.get_text() for t in result.figure.axes[0].texts]
+    assert "all_to_all: piece j of rank i goes to rank j, as its piece i" in shown
+
+
+def test_the_chapter_saves_the_explorer_as_its_cell_left_it():
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parents[1] / "notebooks" / "04a_collectives.ipynb")
+                    .read_text())
+    models = nb["metadata"]["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    images = [m for m in models.values() if m["model_name"] == "ImageModel"]
+    assert len(images) == 1, "one explorer, one picture in the saved state"
+    chosen = [m["state"]["_options_labels"][m["state"]["index"]] for m in models.values()
+              if m["model_name"] == "DropdownModel" and m["state"]["description"] == "collective"]
+    cell = next(c for c in nb["cells"] if "CollectiveExplorer(pool)" in "".join(c["source"]))
+    assert chosen == ["all_reduce"], "the saved panel shows its own cell's collective"
+    assert "all_reduce" in cell["outputs"][0]["data"]["text/plain"][0]
+
+
 def test_bad_settings_are_clear_errors(pool, explorer):
     with pytest.raises(ValueError, match=r"root 5: this pool has ranks 0\.\.2"):
         explorer.show(root=5)
