@@ -1,5 +1,5 @@
 """Typical wrong attempts at the exercises, and the verdict each gets: the check must name
-what is wrong, not only that something is (chapters 4b, 7 and 8).
+what is wrong, not only that something is (chapters 4b, 6, 7 and 8).
 
 Apart from `test_exercises.py` so that pytest-xdist's two processes, which take whole files,
 can share the exercises' checks between them.
@@ -10,6 +10,148 @@ from __future__ import annotations
 import pytest
 
 from ddplab.exercises import check
+
+# --- chapters 0, 1 and 2: typical wrong attempts and the verdict each gets ---
+
+def _blocks_rounded_down(n):
+    """0.1, wrong: equal blocks of n // world_size lose the numbers left over."""
+    import torch.distributed as dist
+
+    size = n // dist.get_world_size()
+    return list(range(dist.get_rank() * size, (dist.get_rank() + 1) * size))
+
+
+def _everything_everywhere(n):
+    """0.1, wrong: every rank takes all the numbers."""
+    return list(range(n))
+
+
+def _own_share_only(n):
+    """0.2, half done: each rank's partial sum, never combined."""
+    import torch.distributed as dist
+
+    return sum(range(dist.get_rank(), n, dist.get_world_size()))
+
+
+def _all_reduce_of_everything(n):
+    """0.2, wrong: every rank sums all the numbers, then all_reduce adds world_size copies."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor(sum(range(n)))
+    dist.all_reduce(total)
+    return total.item()
+
+
+def _total_alone(n):
+    """0.2, wrong: the right number, with nothing shared."""
+    return sum(range(n))
+
+
+def _local_rank_as_rank(i, nprocs, node, nnodes, url):
+    """2.1, wrong: spawn's i is the number on the node, not the global rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=url, rank=i, world_size=nprocs * nnodes)
+
+
+def _one_node_world(i, nprocs, node, nnodes, url):
+    """2.1, wrong: the world size of one node."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=url, rank=node * nprocs + i,
+                            world_size=nprocs)
+
+
+def _numbered_gpu_by_gpu(i, nprocs, node, nnodes, url):
+    """2.1, wrong: a numbering that launchers do not use."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=url, rank=i * nnodes + node,
+                            world_size=nprocs * nnodes)
+
+
+def _never_leaves(i, nprocs, node, nnodes, url):
+    """2.1, almost: right sum, but the group is left initialized."""
+    import torch
+    import torch.distributed as dist
+
+    rank = node * nprocs + i
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=nprocs * nnodes)
+    x = torch.tensor([rank])
+    dist.all_reduce(x)
+    return x
+
+
+def _counts_without_waiting(store, key, world_size):
+    """2.2, wrong: adds itself and returns at once."""
+    return store.add(key, 1)
+
+
+def _ranks_from_one(store, world_size, address):
+    """2.3, wrong: store.add's first answer is 1, not 0."""
+    rank = store.add("next_rank", 1)
+    store.set(f"address/{rank}", address)
+    return rank, [store.get(f"address/{r}").decode() for r in range(1, world_size + 1)]
+
+
+def _addresses_as_bytes(store, world_size, address):
+    """2.3, almost: store.get's bytes, not decoded."""
+    rank = store.add("next_rank", 1) - 1
+    store.set(f"address/{rank}", address)
+    return rank, [store.get(f"address/{r}") for r in range(world_size)]
+
+
+CHAPTER_0 = [
+    ("0.1", _blocks_rounded_down, "with 4 ranks and n=10, no rank got numbers 8, 9",
+     "the numbers left over must go somewhere too"),
+    ("0.1", _everything_everywhere, "with 4 ranks and n=10, every rank returned",
+     "must use which rank it runs on"),
+    ("0.2", _own_share_only, "with 4 ranks and n=10, rank 0 returned 12, and no rank called "
+     "all_reduce", "combined with what the other ranks know"),
+    ("0.2", _all_reduce_of_everything, "with 4 ranks and n=10, rank 0 returned 180, 4 times "
+     "the total 45", "put the rank's partial sum"),
+    ("0.2", _total_alone, "with 4 ranks and n=10, rank 0 returned 45, but without calling "
+     "all_reduce", "add up only its own share"),
+]
+
+CHAPTER_1 = [
+    ("1.1", lambda rank, gpus: list(range(rank, rank + gpus)), "node_mates(1, gpus_per_node=4) "
+     "returned [1, 2, 3, 4], counting from rank 1 itself", "where its block of ranks starts"),
+    ("1.1", lambda rank, gpus: list(range(rank % gpus, 40, gpus)), "node_mates(0, "
+     "gpus_per_node=4) returned [0, 4, 8,", "which node the rank is on"),
+    ("1.1", lambda rank, gpus: [r for r in range(rank // gpus * gpus, (rank // gpus + 1) * gpus)
+                                if r != rank],
+     "node_mates(0, gpus_per_node=4) returned [1, 2, 3], which leaves out rank 0 itself", ""),
+    ("1.3", lambda cores, ranks, workers: max(1, cores // ranks), "threads_per_rank(cores=64, "
+     "ranks_per_node=8, workers_per_rank=4) returned 8, as if the workers took no cores",
+     "count the cores the workers take first"),
+    ("1.3", lambda cores, ranks, workers: (cores - ranks * workers) // ranks,
+     "threads_per_rank(cores=8, ranks_per_node=8, workers_per_rank=2) returned -1: every rank "
+     "needs at least one thread", "cannot be less than one"),
+    ("1.3", lambda cores, ranks, workers: max(1, round((cores - ranks * workers) / ranks)),
+     "threads_per_rank(cores=23, ranks_per_node=3, workers_per_rank=2) returned 6: 3 ranks × "
+     "(6 threads + 2 workers) = 24 on 23 cores, oversubscribed", ""),
+    ("1.3", lambda cores, ranks, workers: (cores - ranks * workers) / ranks,
+     "threads_per_rank(cores=64, ranks_per_node=8, workers_per_rank=4) returned 4.0; it should "
+     "be a whole number", "// is integer division"),
+]
+
+CHAPTER_2 = [
+    ("2.1", _local_rank_as_rank, "the processes passed rank= node 0 i=0 → 0, node 0 i=1 → 1, "
+     "node 1 i=0 → 0, node 1 i=1 → 1: that is each process's number on its own node",
+     "Chapter 1's arithmetic"),
+    ("2.1", _one_node_world, "process i=0 of node 0 passed world_size=2; the job has 2 nodes "
+     "× 2 processes = 4. That is the processes of one node only.", ""),
+    ("2.1", _numbered_gpu_by_gpu, "the processes passed rank= node 0 i=0 → 0, node 0 i=1 → 2",
+     ""),
+    ("2.1", _never_leaves, "after your function returned, the process group was still "
+     "initialized on ranks 0, 1, 2 and 3", "leave the group"),
+    ("2.2", _counts_without_waiting, "on rank 0 your function returned", "look more than once"),
+    ("2.3", _ranks_from_one, "the processes took the ranks", "the first caller gets 1"),
+    ("2.3", _addresses_as_bytes, "process 0 (rank ", ".decode()"),
+]
+
 
 # --- chapter 7: typical wrong attempts and the verdict each gets ---
 
@@ -246,9 +388,248 @@ CHAPTER_4B = [
 ]
 
 
+# --- chapter 6: typical wrong attempts and the verdict each gets ---
+
+def _second_reader_wins(env):
+    """6.1, wrong: torchrun's variables, then OpenMPI's over them (rank_bug.py's way)."""
+    rank, local_rank = int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0))
+    world_size = int(env.get("WORLD_SIZE", 1))
+    rank = int(env.get("OMPI_COMM_WORLD_RANK", rank))
+    local_rank = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", local_rank))
+    world_size = int(env.get("OMPI_COMM_WORLD_SIZE", world_size))
+    return rank, local_rank, world_size
+
+
+def _torchrun_only(env):
+    """6.1, wrong: reads torchrun's variables as if they were always set."""
+    return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+
+
+def _standalone_everywhere(node):
+    """6.2, wrong: --standalone makes each node a job of its own."""
+    rank = ["node02", "node03", "node04"].index(node)
+    return (f"torchrun --standalone --nnodes=3 --nproc_per_node=4 --node_rank={rank} "
+            "-m ddplab.train")
+
+
+def _node_rank_zero(node):
+    """6.2, wrong: the same command, node rank included, on every node."""
+    return ("torchrun --nnodes=3 --nproc_per_node=4 --node_rank=0 --master_addr=192.168.0.101 "
+            "--master_port=29500 -m ddplab.train")
+
+
+def _whole_list(nodelist):
+    """6.3, wrong: the node list itself."""
+    return nodelist
+
+
+def _before_first_comma(nodelist):
+    """6.3, wrong: a split on the first comma, brackets kept."""
+    return nodelist.split(",")[0]
+
+
+def _local_rank_as_node_rank(env, gpus_per_node):
+    """6.4, wrong: OpenMPI's local rank is 0 on every node here."""
+    return (f"torchrun --nnodes={env['OMPI_COMM_WORLD_SIZE']} "
+            f"--node_rank={env['OMPI_COMM_WORLD_LOCAL_RANK']} --nproc_per_node={gpus_per_node} "
+            f"--master_addr={env['MASTER_ADDR']} --master_port={env['MASTER_PORT']} "
+            "-m ddplab.train")
+
+
+def _torchrun_variables(env, gpus_per_node):
+    """6.4, wrong: RANK and WORLD_SIZE do not exist before torchrun starts."""
+    return f"torchrun --nnodes={env['WORLD_SIZE']} --node_rank={env['RANK']}"
+
+
+def _three_nodes_always(env, gpus_per_node):
+    """6.4, wrong: the example's 3 nodes written in, not read from mpirun."""
+    return (f"torchrun --nnodes=3 --node_rank={env['OMPI_COMM_WORLD_RANK']} "
+            f"--nproc_per_node={gpus_per_node} --master_addr={env['MASTER_ADDR']} "
+            f"--master_port={env['MASTER_PORT']} -m ddplab.train")
+
+
+CHAPTER_6 = [
+    ("6.1", _second_reader_wins, "for srun --ntasks=8 over 2 nodes (", "which launcher started "
+     "this very process"),
+    ("6.1", _torchrun_only, "for srun --ntasks=8 over 2 nodes, your function raised KeyError",
+     "use env.get(name)"),
+    ("6.2", _standalone_everywhere, "node_command('node02') uses --standalone",
+     "drop --standalone"),
+    ("6.2", _node_rank_zero, "node_command('node03') has --node_rank=0, but node03 is node "
+     "rank 1", "which one tells the nodes apart"),
+    ("6.3", _whole_list, "master_addr('gpu07,gpu09') returned 'gpu07,gpu09'",
+     "commas that are not inside brackets"),
+    ("6.3", _before_first_comma, "master_addr('gpu[07-09]') returned 'gpu[07-09]'",
+     "Which group comes first"),
+    ("6.4", _local_rank_as_node_rank, "node_torchrun(env, 4) on node03 (OMPI_COMM_WORLD_RANK=1 "
+     "of 3) has --node_rank=0, but it is node rank 1", "OMPI_COMM_WORLD_LOCAL_RANK numbers the "
+     "processes on one node"),
+    ("6.4", _torchrun_variables, "node_torchrun(env, 4) on node02 (OMPI_COMM_WORLD_RANK=0 of 3) "
+     "raised KeyError", "come later, from torchrun"),
+    ("6.4", _three_nodes_always, "node_torchrun(env, 8) on node02 (OMPI_COMM_WORLD_RANK=0 of 2) "
+     "asks for --nnodes=3", "which counts them"),
+]
+
+
+# --- chapter 3: typical wrong attempts and the verdict each gets ---
+
+def _shift_backwards(t, k):
+    """3.1, wrong direction: sends k places down, receives from k places up."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = torch.empty(t.shape, dtype=t.dtype)
+    ops = [dist.P2POp(dist.isend, t, (rank - k) % world),
+           dist.P2POp(dist.irecv, got, (rank + k) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return got
+
+
+def _shift_by_parity(t, k):
+    """3.1, fragile: even ranks send first, odd ranks receive first (blocking calls)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = torch.empty_like(t)
+    if rank % 2 == 0:
+        dist.send(t, dst=(rank + k) % world)
+        dist.recv(got, src=(rank - k) % world)
+    else:
+        dist.recv(got, src=(rank - k) % world)
+        dist.send(t, dst=(rank + k) % world)
+    return got
+
+
+def _shift_returns_own(t, k):
+    """3.1, half done: the exchange happens, but the rank returns what it sent."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = torch.empty(t.shape, dtype=t.dtype)
+    ops = [dist.P2POp(dist.isend, t, (rank + k) % world),
+           dist.P2POp(dist.irecv, got, (rank - k) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return t
+
+
+def _shift_into_int_buffer(t, k):
+    """3.1, wrong buffer: always int64, whatever t's dtype."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = torch.empty(t.shape, dtype=torch.int64)
+    ops = [dist.P2POp(dist.isend, t, (rank + k) % world),
+           dist.P2POp(dist.irecv, got, (rank - k) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return got
+
+
+def _shift_to_self(t, k):
+    """3.1, almost: right for every k but a multiple of world_size (sends to itself)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = torch.empty(t.shape, dtype=t.dtype)
+    ops = [dist.P2POp(dist.isend, t, (rank + k) % world),
+           dist.P2POp(dist.irecv, got, (rank - k) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return got
+
+
+def _unknown_by_object(t):
+    """3.2, off the point: broadcast_object_list does the bookkeeping."""
+    import torch.distributed as dist
+
+    box = [t]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _unknown_flat(t):
+    """3.2, half: sends the number of values, so the receivers get a flat tensor."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.tensor([t.numel() if t is not None else 0])
+    if dist.get_rank() == 0:
+        for dst in range(1, dist.get_world_size()):
+            dist.send(size, dst=dst)
+            dist.send(t.reshape(-1), dst=dst)
+        return t
+    dist.recv(size, src=0)
+    data = torch.empty(int(size), dtype=torch.float32)
+    dist.recv(data, src=0)
+    return data
+
+
+def _ring_gather_in_arrival_order(t):
+    """3.3, wrong places: the tensors in the order they arrived, not in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seen, current = [t], t
+    for _ in range(1, world):
+        incoming = torch.empty_like(current)
+        ops = [dist.P2POp(dist.isend, current, (rank + 1) % world),
+               dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        seen.append(incoming)
+        current = incoming
+    return seen
+
+
+def _ring_gather_one_step(t):
+    """3.3, half: one ring step, so only the own and the left neighbour's tensors."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = torch.empty(t.shape, dtype=t.dtype)
+    ops = [dist.P2POp(dist.isend, t, (rank + 1) % world),
+           dist.P2POp(dist.irecv, got, (rank - 1) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return [t, got]
+
+
+CHAPTER_3 = [
+    ("3.1", _shift_backwards, "with 4 ranks and k=1, rank 0 returned rank 1's tensor, from k "
+     "places after it", "whom does it hear from"),
+    ("3.1", _shift_by_parity, "your function did not finish within 5 s", "odd length"),
+    ("3.1", _shift_returns_own, "with 4 ranks and k=1, rank 0 returned its own tensor",
+     "return the buffer you received into"),
+    ("3.1", _shift_into_int_buffer, "with 4 ranks and k=2, rank 0 returned a torch.int64 "
+     "tensor", "Make the buffer from the tensor you were given"),
+    ("3.1", _shift_to_self, "with 3 ranks and k=3, every rank keeps its own tensor, but your "
+     "function failed", "no connection from a rank to itself"),
+    ("3.2", _unknown_by_object, "rank 0 called dist.broadcast_object_list", "with messages "
+     "of plain tensors"),
+    ("3.2", _unknown_flat, "with rank 0's tensor of shape (2, 3), rank 1 returned a tensor of "
+     "shape (6,)", "number of dimensions"),
+    ("3.3", _ring_gather_in_arrival_order, "with 3 ranks, item 1 of rank 0's list is "
+     "tensor([20, 21, 22], dtype=int64); expected rank 1's", "tens digit of what just "
+     "arrived"),
+    ("3.3", _ring_gather_one_step, "with 3 ranks, rank 0 returned a list of 2 items",
+     "the rank's own included"),
+]
+
+
 # Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
 @pytest.mark.parametrize("exercise_id, attempt, message, hint",
-                         CHAPTER_4B + CHAPTER_7 + CHAPTER_8)
+                         CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4B
+                         + CHAPTER_6
+                         + CHAPTER_7 + CHAPTER_8)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed

@@ -108,6 +108,17 @@ def test_the_launches_of_exercise_6_1_are_what_detect_reads():
                                                                      world_size), what
 
 
+def test_the_mpirun_processes_of_exercise_6_4_are_what_detect_reads():
+    from ddplab.exercises.ch06 import MPI_NODES
+    from ddplab.launch import detect
+
+    for node, env, _ in MPI_NODES:
+        found = detect(env)
+        assert (found.launcher, found.rank, found.world_size, found.master_addr) == (
+            "openmpi", int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
+            "node02"), node
+
+
 def test_the_node_lists_of_exercise_6_3_are_what_first_host_reads():
     from ddplab.exercises.ch06 import NODELISTS
     from ddplab.launch import first_host

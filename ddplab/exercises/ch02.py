@@ -1,14 +1,16 @@
 """Chapter 2 exercises: init methods, stores and rendezvous.
 
-2.1  rendezvous_by_hand(url) -> sum of the ranks, run on every rank: join a gloo group at a
+2.1  join(i, nprocs, node, nnodes, url) -> sum of the ranks, run as mp.spawn's process i
+     on each of 2 nodes: work out the global rank and world size, join a gloo group at a
      tcp:// URL, all_reduce, leave the group.
 2.2  arrive(store, key, world_size) -> world_size, run on every rank: a store as a counter.
-2.3  exchange(store, rank, world_size, address) -> every rank's address, run on every rank:
-     what rendezvous does, with a store you are given.
+2.3  sign_in(store, world_size, address) -> (rank, every rank's address), run by processes
+     that have no rank yet: hand out the ranks through the store, then swap addresses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
@@ -47,53 +49,129 @@ def _waited_too_long(what: str, hint: str) -> NotYet:
 
 # --- 2.1 ---------------------------------------------------------------------------------
 
-def _without_master_port() -> None:
-    """On a checker's rank: env:// cannot stand in for the URL the learner was given."""
-    os.environ.pop("MASTER_PORT", None)
+_NODES, _PER_NODE = 2, 2
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                       "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _is_initialized() -> bool:
+class _DryRun(Exception):
+    """Stops an attempt at its init_process_group call, so that the check sees the call's
+    arguments before any rank can wait for another."""
+
+
+def _spawned(join, url: str, dry: bool):
+    """On a checker's rank: look like process i of an mp.spawn on node `node` (2 nodes of
+    2), with none of a launcher's variables, and call the learner's function as spawn would.
+
+    A dry run stops at init_process_group and returns its arguments; a real run returns
+    (what the function returned, whether the group is still initialized)."""
+    import inspect
+
     import torch.distributed as dist
 
-    return dist.is_initialized()
+    from ddplab.exercises import watching
+
+    me = int(os.environ.get("RANK", "-1")) if dry else int(os.environ["DDPLAB_CHECK_RANK"])
+    os.environ["DDPLAB_CHECK_RANK"] = str(me)
+    for name in _LAUNCHER_VARIABLES:
+        os.environ.pop(name, None)
+    args = (me % _PER_NODE, _PER_NODE, me // _PER_NODE, _NODES, url)
+    if not dry:
+        value = join(*args)
+        return value, dist.is_initialized()
+    calls = []
+    signature = inspect.signature(dist.init_process_group)  # before watching wraps it
+
+    def stop(name, call_args, call_kwargs):
+        try:
+            bound = signature.bind(*call_args, **call_kwargs)
+            calls.append(dict(bound.arguments))
+        except TypeError as err:
+            calls.append({"error": str(err)})
+        raise _DryRun
+
+    with watching(["init_process_group"], stop), contextlib.suppress(_DryRun):
+        join(*args)
+    return calls[0] if calls else None
 
 
-@exercise("2.1", "Rendezvous by hand", solution="rendezvous_by_hand",
-          hint="tcp:// does not read RANK and WORLD_SIZE for you: take them from os.environ "
-               "(they are strings) and pass them to init_process_group yourself. Leave the "
-               "group before you return.")
-def check_rendezvous_by_hand(rendezvous_by_hand) -> str:
-    want = sum(range(_WORLD))
-    with ranks(_WORLD, init_method=None) as pool:
-        pool.run(_without_master_port)
-        for _ in range(2):
-            url = f"tcp://127.0.0.1:{free_port()}"
-            try:
-                got = pool.run(rendezvous_by_hand, url, timeout=_CALL_TIMEOUT)
-            except RankTimeout:
-                raise _waited_too_long(
-                    "at least one rank", "a group forms only when world_size ranks join it: "
-                    "take the world size from os.environ['WORLD_SIZE'], not a number you "
-                    "chose.") from None
-            for rank, value in enumerate(got):
-                if _int_value(value) == want:
-                    continue
-                raise NotYet(f"on rank {rank} your function returned {value!r}; expected "
-                             f"{want} (0 + 1 + 2, the all_reduce of each rank's "
-                             f"torch.tensor([rank]) over {_WORLD} ranks).",
-                             "" if value is None else
-                             "all_reduce works in place: return the tensor you passed to "
-                             "it, after the call (or its .item()).")
-            still = [r for r, on in enumerate(pool.run(_is_initialized)) if on]
-            if still:
-                raise NotYet(f"after your function returned, the process group was still "
-                             f"initialized on {ranks_text(still)}. The next "
-                             "init_process_group there would fail with 'trying to "
-                             "initialize the default process group twice!'.",
-                             "call dist.destroy_process_group() once the group's work is "
-                             "done.")
-    return (f"all {_WORLD} ranks met at the tcp:// address, summed their ranks to {want} and "
-            "left the group, twice in a row on the same processes.")
+def _numbering(ranks_given: list) -> str:
+    """Why a list of rank= arguments, one per process in launch order, is wrong."""
+    local = [me % _PER_NODE for me in range(_NODES * _PER_NODE)]
+    by_gpu = [(me % _PER_NODE) * _NODES + me // _PER_NODE for me in range(_NODES * _PER_NODE)]
+    if ranks_given == local:
+        return ("that is each process's number on its own node (i), so two processes "
+                "claimed each rank.")
+    if ranks_given == by_gpu:
+        return ("that numbers the processes GPU by GPU across the nodes; launchers number "
+                "them node by node, as chapter 1 showed.")
+    if len(set(ranks_given)) < len(ranks_given):
+        return "two processes claimed the same rank."
+    return "every process of the job needs its own global rank."
+
+
+@exercise("2.1", "Rendezvous for a two-node job", solution="join",
+          hint="mp.spawn gives each process only its number on its own node; tcp:// wants "
+               "the global rank and the world size of the whole job. Chapter 1's arithmetic "
+               "turns the one into the other.")
+def check_join(join) -> str:
+    world = _NODES * _PER_NODE
+    want = sum(range(world))
+    with ranks(world, init_method=None) as pool:
+        url = f"tcp://127.0.0.1:{free_port()}"
+        seen = pool.run(_spawned, join, url, True, timeout=_CALL_TIMEOUT)
+        for me, call in enumerate(seen):
+            who = (f"process i={me % _PER_NODE} of node {me // _PER_NODE}")
+            expect(call is not None,
+                   f"{who} returned without calling dist.init_process_group.")
+            expect("error" not in call,
+                   f"{who} called dist.init_process_group with arguments it does not take: "
+                   f"{call.get('error')}.")
+            given = call.get("init_method")
+            expect(given == url,
+                   f"{who} joined at init_method={given!r}, not at the url it was given "
+                   f"({url}).",
+                   "pass the url as init_method=." if given is None else "")
+            size = call.get("world_size", -1)
+            expect(size == world,
+                   f"{who} passed world_size={size!r}; the job has {_NODES} nodes × "
+                   f"{_PER_NODE} processes = {world}."
+                   + (" That is the processes of one node only." if size == _PER_NODE
+                      else ""),
+                   "tcp:// reads no WORLD_SIZE: pass world_size= yourself." if size == -1
+                   else "")
+        given = [call.get("rank", -1) for call in seen]
+        if given != list(range(world)):
+            if -1 in given:
+                raise NotYet("dist.init_process_group was called without rank=, so tcp:// "
+                             "cannot tell the processes apart.",
+                             "tcp:// reads no RANK: pass rank= yourself.")
+            listing = ", ".join(f"node {me // _PER_NODE} i={me % _PER_NODE} → {r!r}"
+                                for me, r in enumerate(given))
+            raise NotYet(f"the processes passed rank= {listing}: {_numbering(given)}")
+        try:
+            got = pool.run(_spawned, join, f"tcp://127.0.0.1:{free_port()}", False,
+                           timeout=_CALL_TIMEOUT)
+        except RankTimeout:
+            raise _waited_too_long(
+                "at least one rank", "every process must call init_process_group once, and "
+                "then all_reduce once.") from None
+    for me, (value, _) in enumerate(got):
+        who = f"process i={me % _PER_NODE} of node {me // _PER_NODE}"
+        expect(_int_value(value) == want,
+               f"{who} returned {value!r}; expected {want} (0 + 1 + 2 + 3, the all_reduce "
+               f"of each rank's torch.tensor([rank]) over {world} ranks).",
+               "" if value is None else
+               "all_reduce works in place: return the tensor you passed to it, after the "
+               "call (or its .item()).")
+    still = [me for me, (_, on) in enumerate(got) if on]
+    if still:
+        raise NotYet(f"after your function returned, the process group was still initialized "
+                     f"on {ranks_text(still)}. The next init_process_group there would fail "
+                     "with 'trying to initialize the default process group twice!'.",
+                     "leave the group once its work is done.")
+    return (f"the {world} processes of 2 nodes × 2 worked out their global ranks, met at the "
+            f"tcp:// address, summed their ranks to {want} and left the group.")
 
 
 # --- 2.2 ---------------------------------------------------------------------------------
@@ -124,9 +202,8 @@ def _arrive_on_rank(arrive, port: int):
 
 
 @exercise("2.2", "A store as a counter", solution="arrive",
-          hint="store.add(key, 1) adds one and returns the new count; adding 0 reads the "
-               "count without changing it. Keep reading, with a short pause, until every "
-               "rank has arrived.")
+          hint="store.add returns the counter's value after the addition. What could a rank "
+               "add to learn the count without changing it? It has to look more than once.")
 def check_arrive(arrive) -> str:
     with ranks(_WORLD, init_method=None) as pool:
         try:
@@ -167,54 +244,77 @@ def check_arrive(arrive) -> str:
 
 # --- 2.3 ---------------------------------------------------------------------------------
 
-def _exchange_on_rank(exchange, path: str, addresses: list[str]):
-    """On a checker's rank: a FileStore in a private folder, rank 0 late on purpose."""
+_LATE = (0.6, 0.3, 0.0)  # process p sleeps _LATE[p]: they arrive in the order 2, 1, 0
+
+
+def _sign_in_on_rank(sign_in, path: str, addresses: list[str]):
+    """On a checker's rank: a FileStore in a private folder, no RANK to read, and the
+    processes arriving in the reverse of their start order."""
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    me, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for name in _LAUNCHER_VARIABLES:
+        if name != "WORLD_SIZE":
+            os.environ.pop(name, None)
     store = dist.FileStore(path, world)
     store.set_timeout(datetime.timedelta(seconds=10))
-    if rank == 0:
-        time.sleep(0.5)  # the others must wait for rank 0's address
-    return exchange(store, rank, world, addresses[rank])
+    time.sleep(_LATE[me])
+    return sign_in(store, world, addresses[me])
 
 
-@exercise("2.3", "Swap addresses, as rendezvous does", solution="exchange",
-          hint="each rank sets one key of its own (put its rank in the key's name), then gets "
-               "every rank's key; store.get waits for a key that is not there yet, and "
-               "returns bytes.")
-def check_exchange(exchange) -> str:
+@exercise("2.3", "Hand out the ranks at rendezvous", solution="sign_in",
+          hint="the processes need numbers 0, 1, 2, ... with none given twice, and the "
+               "store can hand out a different number to each caller. Once a process has its "
+               "number, the addresses are swapped as in the chapter's hello exchange.")
+def check_sign_in(sign_in) -> str:
     token = secrets.token_hex(2)
-    addresses = [f"10.{int(token[:2], 16)}.{int(token[2:], 16)}.{10 + r}:{29500 + r}"
-                 for r in range(_WORLD)]
+    addresses = [f"10.{int(token[:2], 16)}.{int(token[2:], 16)}.{10 + p}:{29500 + p}"
+                 for p in range(_WORLD)]
     folder = tempfile.mkdtemp(prefix="ddplab-check-")
     try:
         with ranks(_WORLD, init_method=None) as pool:
             try:
-                got = pool.run(_exchange_on_rank, exchange, os.path.join(folder, "store"),
+                got = pool.run(_sign_in_on_rank, sign_in, os.path.join(folder, "store"),
                                addresses, timeout=_CALL_TIMEOUT)
             except RankTimeout:
                 raise _waited_too_long(
-                    "at least one rank", "every rank must set its own key before it waits "
-                    "for the others' keys, or they all wait for each other.") from None
+                    "at least one process", "a process must publish its own address before "
+                    "it waits for the others', or they all wait for each other.") from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    for rank, value in enumerate(got):
-        if value == addresses:
+    for p, value in enumerate(got):
+        expect(isinstance(value, (tuple, list)) and len(value) == 2,
+               f"process {p} returned {value!r}; expected a pair (rank, addresses).",
+               "" if value is None else "return rank, addresses")
+    numbers = [value[0] for value in got]
+    expect(all(isinstance(n, int) and not isinstance(n, bool) for n in numbers),
+           f"the processes returned the ranks {numbers!r}; a rank is an int.")
+    if sorted(numbers) == list(range(1, _WORLD + 1)):
+        raise NotYet(f"the processes took the ranks {numbers}: one each, but ranks count "
+                     f"from 0, so they should be 0 to {_WORLD - 1}.",
+                     "store.add returns the count after adding, and the first caller "
+                     "gets 1.")
+    expect(sorted(numbers) == list(range(_WORLD)),
+           f"the processes took the ranks {numbers}; every one of 0 to {_WORLD - 1} must "
+           "go to exactly one process.")
+    want = [addresses[numbers.index(r)] for r in range(_WORLD)]
+    for p, (rank, value) in enumerate(got):
+        if isinstance(value, (list, tuple)) and list(value) == want:
             continue
-        if isinstance(value, (list, tuple)) and [
-                v.decode() if isinstance(v, bytes) else v for v in value] == addresses:
-            raise NotYet(f"on rank {rank} your function returned {value!r}: the right "
-                         "addresses, but as bytes (or not in a list).",
+        as_text = ([v.decode() if isinstance(v, bytes) else v for v in value]
+                   if isinstance(value, (list, tuple)) else None)
+        if as_text == want:
+            raise NotYet(f"process {p} (rank {rank}) returned the addresses {value!r}: the "
+                         "right ones, but as bytes.",
                          "store.get returns bytes: .decode() turns them into a str.")
-        if isinstance(value, (list, tuple)) and sorted(map(str, value)) == sorted(addresses):
-            raise NotYet(f"on rank {rank} your function returned {value!r}: the right "
-                         "addresses in the wrong order; expected them in rank order, "
-                         f"{addresses!r}.")
-        if value is None:
-            raise NotYet(f"on rank {rank} your function returned None; expected a list of "
-                         f"the {_WORLD} ranks' addresses, in rank order.")
-        raise NotYet(f"on rank {rank} your function returned {value!r}; expected every "
-                     f"rank's address in rank order: {addresses!r}.")
-    return (f"all {_WORLD} ranks published their address and learned everyone else's, even "
-            "with rank 0 arriving late: that is rendezvous.")
+        if isinstance(value, (list, tuple)) and list(value) == addresses:
+            raise NotYet(f"process {p} (rank {rank}) listed the addresses in the order the "
+                         f"processes were started, {addresses!r}; expected them in the order "
+                         f"of the ranks they took, {want!r}.")
+        if as_text is not None and sorted(map(str, as_text)) == sorted(want):
+            raise NotYet(f"process {p} (rank {rank}) returned the right addresses in the "
+                         f"wrong order, {value!r}; expected them in rank order, {want!r}.")
+        raise NotYet(f"process {p} (rank {rank}) returned the addresses {value!r}; expected "
+                     f"every rank's address in rank order: {want!r}.")
+    return (f"{_WORLD} processes with no numbers, arriving in any order, each took its own "
+            "rank and learned every rank's address: rendezvous, as launchers do it.")

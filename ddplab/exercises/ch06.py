@@ -1,10 +1,11 @@
-"""Chapter 6 exercises: launchers (reading any launcher's variables; a node's torchrun command).
+"""Chapter 6 exercises: launchers (reading any launcher's variables; a node's torchrun command;
+the master from a Slurm node list; a node's torchrun command from mpirun's variables).
 
 No ranks are needed: 6.1 is checked against environments recorded from real launchers
 (torchrun, `srun`, `mpirun`, and launchers nested inside one another, where the
-innermost must win), 6.2 by parsing the learner's command with torchrun's own argument
-parser (`torch.distributed.run.get_args_parser`), so a command that torchrun would read
-differently, or refuse, fails here too.
+innermost must win), 6.2 and 6.4 by parsing the learner's command with torchrun's own
+argument parser (`torch.distributed.run.get_args_parser`), so a command that torchrun
+would read differently, or refuse, fails here too.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ LAUNCHES = [
 
 
 @exercise("6.1", "Rank, local rank and world size, from any launcher", solution="launch_vars",
-          hint="look for the innermost launcher first: torchrun's TORCHELASTIC_RUN_ID (then "
-               "RANK, LOCAL_RANK, WORLD_SIZE), then OpenMPI's OMPI_COMM_WORLD_RANK (_LOCAL_RANK, "
-               "_SIZE), then an srun step's SLURM_STEP_NUM_TASKS (with SLURM_PROCID and "
-               "SLURM_LOCALID); with none of them, one process alone. A batch job's own "
-               "SLURM_PROCID is not a step: it has no SLURM_STEP_NUM_TASKS.")
+          hint="each launcher sets a variable no other does: torchrun TORCHELASTIC_RUN_ID "
+               "(with RANK, LOCAL_RANK, WORLD_SIZE), OpenMPI OMPI_COMM_WORLD_RANK (with "
+               "_LOCAL_RANK, _SIZE), an srun step SLURM_STEP_NUM_TASKS (with SLURM_PROCID, "
+               "SLURM_LOCALID); a batch job's own SLURM_PROCID is not a step. When several "
+               "launchers' variables are there, which launcher started this very process?")
 def check_launch_vars(launch_vars) -> str:
     for what, env, want in LAUNCHES:
         try:
@@ -98,9 +99,9 @@ def _parse(command: str):
 
 
 @exercise("6.2", "The command for each node", solution="node_command",
-          hint="every node runs the same torchrun with the same --nnodes, --nproc_per_node, "
-               "--master_addr and --master_port (the master's: node02's address); only "
-               "--node_rank differs, 0 on the master. Then -m ddplab.train.")
+          hint="the three nodes must form one job: which options must be the same on every "
+               "node (how many nodes, how many processes on each, where to meet), and which "
+               "one tells the nodes apart? They meet at the master, node02.")
 def check_node_command(node_command) -> str:
     seen = []
     for node_rank, node in enumerate(NODES):
@@ -148,9 +149,9 @@ NODELISTS = [
 
 @exercise("6.3", "The master, from Slurm's node list", solution="master_addr",
           hint="Slurm compresses consecutive names: gpu[07-09,12] means gpu07, gpu08, gpu09 "
-               "and gpu12. Take the part before the first comma that is not inside [...]; "
-               "if it has brackets, keep what is before them and the first number inside, "
-               "as written (leading zeros included).")
+               "and gpu12, and a list can hold several such groups, separated by commas that "
+               "are not inside brackets. Which group comes first, and which name in it, "
+               "written exactly as Slurm would (leading zeros too)?")
 def check_master_addr(master_addr) -> str:
     for nodelist, want in NODELISTS:
         got = master_addr(nodelist)
@@ -159,3 +160,64 @@ def check_master_addr(master_addr) -> str:
                f"what `scontrol show hostnames {nodelist} | head -n 1` prints, is {want!r}.")
     return (f"all {len(NODELISTS)} node lists read right: the first host of the job is where "
             "node rank 0's torchrun listens, so MASTER_ADDR is the same on every node.")
+
+
+# --- 6.4 one torchrun per node, started by mpirun ---
+
+# (the node, its mpirun process's environment, GPUs per node): `mpirun -np N --map-by
+# ppr:1:node -x MASTER_ADDR -x MASTER_PORT` puts one process on each node.
+MPI_NODES = [
+    (f"node{n + 2:02d}", {"OMPI_COMM_WORLD_RANK": str(n), "OMPI_COMM_WORLD_SIZE": str(size),
+                          "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+                          "OMPI_COMM_WORLD_NODE_RANK": "0", "MASTER_ADDR": "node02",
+                          "MASTER_PORT": "29500", "HOME": "/home/ada"}, gpus)
+    for size, gpus in ((3, 4), (2, 8)) for n in range(size)
+]
+
+
+@exercise("6.4", "A torchrun per node, from mpirun's variables", solution="node_torchrun",
+          hint="mpirun started one process per node, and each process knows its place among "
+               "mpirun's processes: that place is the node's. Which OMPI_COMM_WORLD_ variable "
+               "numbers the nodes 0, 1, 2, and which counts them? The master's address and "
+               "port came with -x.")
+def check_node_torchrun(node_torchrun) -> str:
+    seen = []
+    for node, env, gpus in MPI_NODES:
+        size, node_rank = int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"])
+        call = f"node_torchrun(env, {gpus}) on {node} (OMPI_COMM_WORLD_RANK={node_rank} of {size})"
+        try:
+            command = node_torchrun(dict(env), gpus)
+        except Exception as err:  # a KeyError: torchrun's or Slurm's variables are not set
+            raise NotYet(f"{call} raised {type(err).__name__}: {err}.",
+                         "mpirun's processes have only OpenMPI's variables (and those given "
+                         "with -x): RANK and WORLD_SIZE come later, from torchrun.") from None
+        expect(isinstance(command, str), f"{call} returned {command!r}; it should return the "
+               "command as a string.", "" if command is None else "return the command line "
+                                                                  "as one string.")
+        args = _parse(command)
+        expect(not args.standalone, f"{call} uses --standalone, which makes every node a job "
+               "of its own.", "drop --standalone: the nodes must meet at the master.")
+        expect(str(args.nnodes) == str(size), f"{call} asks for --nnodes={args.nnodes}; mpirun "
+               f"started {size} processes, one per node, so the job has {size} nodes.")
+        expect(str(args.nproc_per_node) == str(gpus), f"{call} starts --nproc_per_node="
+               f"{args.nproc_per_node}; each node has {gpus} GPUs, one process each.")
+        if args.rdzv_backend == "c10d":  # also right: the nodes number themselves
+            expect(args.rdzv_endpoint == "node02:29500", f"{call} meets at "
+                   f"{args.rdzv_endpoint!r}; the master is MASTER_ADDR:MASTER_PORT, "
+                   "node02:29500.")
+        else:
+            expect((args.master_addr, args.master_port) == ("node02", 29500),
+                   f"{call} meets at {args.master_addr}:{args.master_port}; the master is "
+                   "MASTER_ADDR:MASTER_PORT, node02:29500.")
+            expect(args.node_rank == node_rank,
+                   f"{call} has --node_rank={args.node_rank}, but it is node rank {node_rank}"
+                   + (": every node would claim the same node rank." if node_rank else "."),
+                   "OMPI_COMM_WORLD_LOCAL_RANK numbers the processes on one node (a single "
+                   "one here); the node's number is its process's place in mpirun's world."
+                   if args.node_rank == 0 else "")
+        expect(args.module and args.training_script == "ddplab.train",
+               f"{call} runs {args.training_script!r}"
+               f"{' as a module' if args.module else ''}; it should run -m ddplab.train.")
+        seen.append(f"{node}: ranks {node_rank * gpus}-{node_rank * gpus + gpus - 1}")
+    return ("torchrun reads each node's command as its part of one job, 3 nodes x 4 GPUs ("
+            + "; ".join(seen[:3]) + ") and 2 nodes x 8 (" + "; ".join(seen[3:]) + ").")

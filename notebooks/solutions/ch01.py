@@ -9,10 +9,10 @@ import os
 import torch.distributed as dist
 
 
-def coordinates(rank, gpus_per_node):
-    """Exercise 1.1: the node a global rank lives on, and its local rank there."""
-    node, local_rank = divmod(rank, gpus_per_node)
-    return node, local_rank
+def node_mates(rank, gpus_per_node):
+    """Exercise 1.1: the ranks on the same node as `rank`, itself included, in order."""
+    node = rank // gpus_per_node
+    return list(range(node * gpus_per_node, (node + 1) * gpus_per_node))
 
 
 def whoami():
@@ -21,6 +21,7 @@ def whoami():
     return f"rank {dist.get_rank()} of {dist.get_world_size()} (local rank {local_rank})"
 
 
-def threads_per_rank(cores, ranks_per_node):
-    """Exercise 1.3: an even share of the node's cores, at least one thread."""
-    return max(1, cores // ranks_per_node)
+def threads_per_rank(cores, ranks_per_node, workers_per_rank):
+    """Exercise 1.3: an even share of the cores the workers leave, at least one thread."""
+    left = cores - ranks_per_node * workers_per_rank
+    return max(1, left // ranks_per_node)

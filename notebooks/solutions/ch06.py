@@ -41,3 +41,13 @@ def master_addr(nodelist):
         return first
     prefix, ranges = first.split("[", 1)
     return prefix + ranges.split("]")[0].replace("-", ",").split(",")[0]
+
+
+def node_torchrun(env, gpus_per_node):
+    """Exercise 6.4: the torchrun command for the node this mpirun process runs on."""
+    return ("torchrun "
+            f"--nnodes={env['OMPI_COMM_WORLD_SIZE']} "       # one mpirun process per node
+            f"--node_rank={env['OMPI_COMM_WORLD_RANK']} "    # its place: the node's number
+            f"--nproc_per_node={gpus_per_node} "
+            f"--master_addr={env['MASTER_ADDR']} --master_port={env['MASTER_PORT']} "
+            "-m ddplab.train")
