@@ -1145,3 +1145,77 @@ def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
         ax.text(left + value * scale + 0.1, y + row / 2, text, ha="left", va="center",
                 fontsize=FONT)
     return canvas.fig
+
+
+def show_steps(steps: Sequence[tuple[str, Sequence, Sequence | None]], *,
+               title: str | None = None) -> Figure:
+    """Each rank's tensor after each of several steps, one row of panels per step.
+
+    `steps` is a list of (caption, tensors, owners): `tensors[r]` is rank r's tensor after
+    that step and `owners[r]` whose data each of its cells holds (None: rank r's own), as in
+    `show_ranks`. Draw 2-D tensors to show chunks as rows: `x.reshape(world_size, -1)`.
+    """
+    if not steps:
+        raise ValueError("no steps to draw")
+    rows = [_panels(tensors, owners, None) for _, tensors, owners in steps]
+    _check_width([p for row in rows for p in row])
+    canvas = _row_layout(rows, [caption for caption, _, _ in steps], title,
+                         max(len(row) for row in rows), between=0.2)
+    return canvas.fig
+
+
+def show_launch(nodes: Sequence[tuple[str, Sequence[tuple[int, Sequence[str]]]]], *,
+                title: str | None = None) -> Figure:
+    """Processes as a launcher placed them: nodes as boxes holding one box per process.
+
+    `nodes` is a list of (label, processes), each process a (rank, lines) pair: its global
+    rank, which colours it, and the lines written in its box (what it was told, e.g.
+    "RANK=1"; the first is drawn bold). Made from the variables the processes report, the
+    picture shows where each rank runs and what its launcher told it.
+    """
+    if not nodes or any(not processes for _, processes in nodes):
+        raise ValueError("need at least one node, each with at least one process")
+    lines_max = max(len(lines) for _, processes in nodes for _, lines in processes)
+    box_ws = [max(1.0, max(len(line) for _, lines in processes for line in lines) * 0.085 + 0.3)
+              for _, processes in nodes]  # each node's boxes as wide as its longest line
+    pad, line_h = 0.15, 0.22
+    box_h = lines_max * line_h + 0.2
+    label_h = 0.3
+    widths = [max(len(processes) * (box_w + pad) + pad, len(label) * 0.09 + 0.3)
+              for (label, processes), box_w in zip(nodes, box_ws, strict=True)]
+    rows, row, used = [], [], 0.6
+    for i, w in enumerate(widths):  # wrap nodes into rows that fit MAX_WIDTH
+        if row and used + GAP + w > MAX_WIDTH:
+            rows.append(row)
+            row, used = [], 0.6
+        used += (GAP if row else 0) + w
+        row.append(i)
+    rows.append(row)
+    node_h = label_h + box_h + 2 * pad
+    top_h = 0.5 if title else 0.15
+    width = max(max(sum(widths[i] for i in r) + GAP * (len(r) - 1) for r in rows) + 0.6,
+                _title_width(title))
+    height = top_h + len(rows) * node_h + (len(rows) - 1) * 0.25 + 0.15
+    canvas = _Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    for k, r in enumerate(rows):
+        x, y = 0.3, height - top_h - (k + 1) * node_h - k * 0.25
+        for i in r:
+            label, processes = nodes[i]
+            ax.add_patch(Rectangle((x, y), widths[i], node_h, fc="#F7F7F7", ec="#555555",
+                                   lw=1.2))
+            ax.text(x + 0.1, y + node_h - 0.07, label, ha="left", va="top", fontsize=FONT,
+                    fontweight="bold", color="#333333")
+            box_w = box_ws[i]
+            for j, (rank, lines) in enumerate(processes):
+                bx, by = x + pad + j * (box_w + pad), y + pad
+                color = rank_color(int(rank))
+                ax.add_patch(Rectangle((bx, by), box_w, box_h, fc=tint(color),
+                                       ec=line_color(color), lw=1.4))
+                for n, line in enumerate(lines):
+                    ax.text(bx + box_w / 2, by + box_h - 0.1 - (n + 0.5) * line_h, line,
+                            ha="center", va="center", fontsize=FONT - (0 if n == 0 else 1),
+                            fontweight="bold" if n == 0 else "normal",
+                            color="#111111" if n == 0 else "#333333")
+            x += widths[i] + GAP
+    return canvas.fig

@@ -429,3 +429,45 @@ def test_inbox_arrows_land_on_the_row_each_message_filled():
         for path in paths:
             assert not ((path[:, 0] > box.x0) & (path[:, 0] < box.x1)
                         & (path[:, 1] > box.y0) & (path[:, 1] < box.y1)).any()
+
+
+# --- steps and launches (chapters 4b, 6a and 6b) ---
+
+def test_show_steps_draws_a_row_per_step_with_whose_data_each_cell_holds():
+    xs = [torch.arange(8) + 10 * r for r in range(4)]
+    total = sum(xs)
+    everyone = (0, 1, 2, 3)
+    fig = viz.show_steps([("before", [x.reshape(4, 2) for x in xs], None),
+                          ("after reduce_scatter", [total[2 * r:2 * r + 2] for r in range(4)],
+                           [everyone] * 4),
+                          ("after all_gather", [total.reshape(4, 2)] * 4, [everyone] * 4)],
+                         title="all_reduce in two steps")
+    shown = texts(fig)
+    assert {"before", "after reduce_scatter", "after all_gather"} <= set(shown)
+    assert cell_at(fig, "21") == colour_of(2)             # before: rank 2's own data
+    assert cell_at(fig, "60") == tuple(round(c, 3) for c in to_rgb(viz.COMBINED))  # a sum
+    assert shown.count("88") == 5                         # rank 3's chunk, then everywhere
+    assert viz.screen_size(fig)[0] < 700                  # 4 ranks x 8 values, legible
+    with pytest.raises(ValueError, match="no steps"):
+        viz.show_steps([])
+
+
+def test_show_launch_puts_each_process_in_its_node_in_its_rank_colour():
+    nodes = [("node A · GROUP_RANK=0", [(0, ["RANK=0", "LOCAL_RANK=0"]),
+                                        (1, ["RANK=1", "LOCAL_RANK=1"])]),
+             ("node B · GROUP_RANK=1", [(2, ["RANK=2", "LOCAL_RANK=0"]),
+                                        (3, ["RANK=3", "LOCAL_RANK=1"])])]
+    fig = viz.show_launch(nodes, title="two nodes")
+    shown = texts(fig)
+    assert {"node A · GROUP_RANK=0", "node B · GROUP_RANK=1", "RANK=3", "two nodes"} <= set(shown)
+    assert shown.count("LOCAL_RANK=0") == 2
+    boxes = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+    for text, rank, node in (("RANK=1", 1, 0), ("RANK=2", 2, 1)):
+        x, y = next(t for t in fig.axes[0].texts if t.get_text() == text).get_position()
+        around = [b for b in boxes if b.get_x() < x < b.get_x() + b.get_width()
+                  and b.get_y() < y < b.get_y() + b.get_height()]
+        assert len(around) == 2  # its node, then its own box
+        assert around[0] is [b for b in boxes if b.get_width() > around[1].get_width()][node]
+        assert tuple(round(c, 3) for c in around[1].get_facecolor()[:3]) == colour_of(rank)
+    with pytest.raises(ValueError, match="at least one process"):
+        viz.show_launch([("empty", [])])
