@@ -36,6 +36,9 @@ class RankFailure:
     started: float | None = None  # time.monotonic() when this rank began the call
     hint: str = ""  # the likely cause, and the switch that finds it, when one is known
     full_traceback: str = ""  # every frame below ddplab's machinery, torch's included
+    # Whether the exception came through the learner's code; False when only ddplab's and
+    # libraries' frames saw it (an exercise check's own bug), or when the rank died.
+    in_user_code: bool = False
 
     @property
     def elapsed(self) -> float | None:

@@ -33,6 +33,7 @@ _INTERNAL = {
     os.path.join(os.path.dirname(__file__), name)
     for name in ("worker.py", "forkserver.py", "tracebacks.py")
 }
+_KIT = os.path.dirname(os.path.abspath(__file__)) + os.sep  # ddplab's own files
 _STDLIB = sysconfig.get_paths()["stdlib"].rstrip(os.sep) + os.sep
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SITE = re.compile(r".*[/\\](?:site|dist)-packages[/\\]")
@@ -77,6 +78,17 @@ def is_user_frame(filename: str) -> bool:
     if filename in _INTERNAL or filename.startswith(_STDLIB) or _SITE.match(filename):
         return False
     return not filename.startswith("<frozen")
+
+
+def passed_through_user_code(exc: BaseException) -> bool:
+    """Did the exception come through the learner's own code (a cell, a file of theirs)?
+
+    False when every frame it passed is ddplab's or a library's: then the learner's code
+    was not running when it was raised. An exercise check uses this to tell its own bug
+    from the learner's mistake.
+    """
+    return any(is_user_frame(f.filename) and not f.filename.startswith(_KIT)
+               for f in traceback.extract_tb(exc.__traceback__))
 
 
 def _after_internal(frames: Iterable[traceback.FrameSummary]) -> list[traceback.FrameSummary]:

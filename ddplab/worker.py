@@ -226,7 +226,8 @@ def _failure(exc: BaseException, started: float, note: str = "") -> RankFailure:
     text = tracebacks.format_exception(exc)
     return RankFailure(_spec["rank"], type(exc).__name__, str(exc),
                        text + (f"\n{note}\n" if note else ""), time.monotonic(), pickled,
-                       started=started, full_traceback=tracebacks.format_full(exc))
+                       started=started, full_traceback=tracebacks.format_full(exc),
+                       in_user_code=tracebacks.passed_through_user_code(exc))
 
 
 def _run(call_id: int, payload: bytes) -> bytes:

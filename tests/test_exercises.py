@@ -125,3 +125,69 @@ def test_the_node_lists_of_exercise_6_3_are_what_first_host_reads():
 
     for nodelist, want in NODELISTS:
         assert first_host(nodelist) == want, nodelist
+
+
+# --- a checker's own bug is the kit's error, not the learner's ---
+
+KIT_CHECKERS = '''
+from ddplab.exercises import ranks
+
+def breaks_in_the_kernel(attempt):
+    return {}["a key the checker forgot"]
+
+def _breaks_on_a_rank():
+    return [][0]
+
+def breaks_on_the_ranks(attempt):
+    with ranks(2) as pool:
+        pool.run(_breaks_on_a_rank)
+
+def runs_the_attempt(attempt):
+    with ranks(2) as pool:
+        pool.run(attempt)
+    attempt()
+    return "ran"
+'''
+
+
+def _kit_checkers() -> dict:
+    """Checkers compiled as if they were files of ddplab (where real checkers live)."""
+    import ddplab
+
+    namespace: dict = {}
+    filename = str(Path(ddplab.__file__).parent / "exercises" / "_checkers_under_test.py")
+    exec(compile(KIT_CHECKERS, filename, "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("checker", ["breaks_in_the_kernel", "breaks_on_the_ranks"])
+def test_a_checkers_own_bug_is_the_kits_error(checker, monkeypatch):
+    from ddplab.exercises import CheckError, Exercise
+
+    monkeypatch.setitem(EXERCISES, "0.99", Exercise("0.99", "t", "s", _kit_checkers()[checker]))
+    with pytest.raises(CheckError, match=r"exercise 0\.99 failed by itself \((KeyError|rank "
+                                         r"\d raised IndexError).*a bug in ddplab") as info:
+        check("0.99", lambda: 1)
+    assert "Error" in info.value.details  # the checker's traceback, for whoever fixes it
+
+
+@pytest.mark.parametrize("where", ["kernel", "ranks"])
+def test_the_learners_error_is_still_a_verdict(where, monkeypatch):
+    from ddplab.exercises import Exercise
+
+    def attempt():
+        import os
+
+        if where == "kernel" and os.getpid() == kernel:
+            raise ValueError("the learner's mistake")
+        if where == "ranks" and os.getpid() != kernel:
+            raise ValueError("the learner's mistake")
+
+    import os
+
+    kernel = os.getpid()
+    monkeypatch.setitem(EXERCISES, "0.99",
+                        Exercise("0.99", "t", "s", _kit_checkers()["runs_the_attempt"]))
+    feedback = check("0.99", attempt)
+    assert not feedback.passed
+    assert "ValueError" in feedback.message and "the learner's mistake" in feedback.message

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ddplab import tracebacks
 from ddplab.errors import RankError, RankTimeout, ranks_text
 
 
@@ -92,17 +94,44 @@ def check(id: str, attempt: Callable) -> Feedback:
         return Feedback(id, False, f"check({id!r}, ...) needs your function itself, not "
                                    f"{type(attempt).__name__} {attempt!r}.",
                         "pass the function's name without calling it: no parentheses.")
+    ours = _is_users(attempt)  # a library function as the attempt: its errors are the learner's
     try:
         return Feedback(id, True, ex.checker(attempt))
     except NotYet as no:
         return Feedback(id, False, no.message, no.hint or ex.hint)
     except RankError as err:
         first = err.failures.get(err.root_cause)
+        if first is not None and first.type != "died" and ours and not first.in_user_code:
+            raise CheckError(id, first.headline(), first.full_traceback) from None
         what = first.headline() if first else str(err).splitlines()[0]
         return Feedback(id, False, f"your code failed on the ranks: {what}.",
                         "run it on the pool yourself to see the full traceback; " + ex.hint)
-    except Exception as err:  # the learner's code raised in the notebook itself
+    except Exception as err:  # raised in the notebook itself: by the attempt, or the check
+        if ours and not tracebacks.passed_through_user_code(err):
+            raise CheckError(id, f"{type(err).__name__}: {err}",
+                             "".join(traceback.format_exception(err))) from err
         return Feedback(id, False, f"your code raised {type(err).__name__}: {err}.", ex.hint)
+
+
+class CheckError(RuntimeError):
+    """An exercise's check failed by itself, not because of the learner's attempt.
+
+    Raised, not returned as a verdict: a checker's bug must never read as the learner's
+    mistake. `details` holds the traceback of the check, for whoever fixes it.
+    """
+
+    def __init__(self, id: str, what: str, details: str) -> None:
+        super().__init__(f"the check of exercise {id} failed by itself ({what}), while your "
+                         "code was not running: this is a bug in ddplab, not in your "
+                         "attempt. Please report it with this message; meanwhile, try your "
+                         "function on the pool yourself.")
+        self.details = details
+
+
+def _is_users(attempt: Callable) -> bool:
+    """Is the attempt the learner's own code, not a library function passed as one?"""
+    code = getattr(attempt, "__code__", None)
+    return code is not None and tracebacks.is_user_frame(code.co_filename)
 
 
 def ranks(world_size: int, **kwargs):
