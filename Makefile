@@ -44,8 +44,8 @@ lab: setup ## open JupyterLab on notebooks/ (pass more options with LAB_ARGS=...
 test: lint ## ruff, then the unit tests and nbval over every notebook
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-quick: setup ## the fast inner loop: unit tests without chapters, browser, launchers or slow ones
-	$(VENV)/bin/pytest $(PYTEST_ARGS) -m "not notebook and not browser and not launchers and not slow" tests
+quick: setup ## the fast inner loop (under a minute): no chapters, browser, launchers, exercises or slow tests
+	$(VENV)/bin/pytest $(PYTEST_ARGS) -m "not notebook and not browser and not launchers and not exercises and not slow" tests
 
 lint: setup ## ruff check
 	$(VENV)/bin/ruff check .

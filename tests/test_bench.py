@@ -78,6 +78,7 @@ def run(args, **kwargs):
     return subprocess.run(args, capture_output=True, text=True, timeout=120, **kwargs)
 
 
+@pytest.mark.slow
 def test_ddplab_bench_sweeps_on_a_pool_and_saves_the_plot(tmp_path):
     done = run([DDPLAB, "bench", "--ranks", "2", "-b", "8", "-e", "1K", "-f", "8", "-n", "2",
                 "-w", "1", "--ops", "all_reduce,send_recv", "--plot",

@@ -88,6 +88,7 @@ def full():
     return found, time.monotonic() - started, out.getvalue(), caught
 
 
+@pytest.mark.slow
 def test_full_probe_is_fast_silent_and_warning_free(full):
     _, seconds, printed, caught = full
     assert seconds < 20, f"the full probe took {seconds:.1f} s (budget: about 8 s)"
@@ -160,6 +161,7 @@ def test_beside_docs_marks_the_disagreement(full):
 
 # --- failures, wrong answers and hangs ---
 
+@pytest.mark.slow
 def test_failures_wrong_answers_and_hangs_are_reported_and_the_next_row_still_works():
     ops = ["all_reduce", Op("raises", raises),
            Op("one rank raises", rank0_raises_while_rank1_waits), "broadcast",
@@ -261,6 +263,7 @@ def test_ddplab_help_lists_doctor():
     assert re.search(r"^\s+doctor\s", result.stdout, re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_ddplab_doctor_prints_the_report_and_exits_0():
     result = subprocess.run([DDPLAB, "doctor", "--world-size", "3", "--timeout", "5",
                              "--backend", "gloo"],

@@ -11,6 +11,9 @@ import pytest
 
 from ddplab.exercises import check
 
+# Each check starts real pools: left out of the fast inner loop (`make quick`).
+pytestmark = pytest.mark.exercises
+
 # --- chapters 0, 1 and 2: typical wrong attempts and the verdict each gets ---
 
 def _blocks_rounded_down(n):

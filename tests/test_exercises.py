@@ -10,6 +10,9 @@ import pytest
 
 from ddplab.exercises import EXERCISES, Feedback, _load_all, check
 
+# Each check starts real pools: left out of the fast inner loop (`make quick`).
+pytestmark = pytest.mark.exercises
+
 SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
 
 _load_all()

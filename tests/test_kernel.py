@@ -85,6 +85,7 @@ def kernel():
     k.stop()
 
 
+@pytest.mark.slow
 def test_functions_and_lambdas_defined_in_cells_run_on_every_rank(kernel):
     kernel.run("def square_plus_rank(x):\n    return x * x + dist.get_rank()")
     assert kernel.value("pool.run(square_plus_rank, 3)") == [9, 10]
@@ -155,6 +156,7 @@ def test_warnings_raised_on_the_ranks_name_the_cell(kernel):
     assert "ipykernel" not in reply.stderr
 
 
+@pytest.mark.slow
 def test_re_running_a_pool_cell_all_day_keeps_no_descriptor():
     k = Kernel()
     try:
@@ -197,6 +199,7 @@ def _processes_of(k: Kernel) -> list[int]:
     return eval(reply.stdout)
 
 
+@pytest.mark.slow
 def test_restarting_the_kernel_leaves_no_process():
     k = Kernel()
     try:
@@ -208,6 +211,7 @@ def test_restarting_the_kernel_leaves_no_process():
         k.stop()
 
 
+@pytest.mark.slow
 def test_two_kernels_at_once_then_sigkill_leaves_no_process():
     kernels = [Kernel(), Kernel()]
     try:

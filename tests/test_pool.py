@@ -155,6 +155,7 @@ def test_simultaneous_failures_name_the_lowest_rank_every_time(pool):
         assert "<- root cause (ranks 0 and 1 failed at the same time)" in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_failure_leaves_waiting_ranks_reported_and_the_pool_rebuilt():
     with Pool(2, timeout=30) as p:
         p.error_grace = 1.0
@@ -186,6 +187,7 @@ def test_unpicklable_return_value_is_a_clear_error(pool):
     ("if rank == 1:\n    dist.recv(torch.zeros(1), src=0)", "recv"),  # nobody sends
     ("while True:\n    pass", "running its own code"),  # infinite loop
 ])
+@pytest.mark.slow
 def test_hangs_end_at_the_deadline_with_stacks_and_a_rebuilt_pool(code, where):
     with Pool(2, timeout=30) as p:
         old = p.pids
@@ -201,6 +203,7 @@ def test_hangs_end_at_the_deadline_with_stacks_and_a_rebuilt_pool(code, where):
         assert p.run(rank_sum, 1) == [3, 3]
 
 
+@pytest.mark.slow
 def test_process_group_timeout_is_the_pool_timeout():
     """gloo itself gives up after the pool's timeout, not after its default 30 minutes."""
     with Pool(2, timeout=2) as p, pytest.raises(RankError) as info:
@@ -216,6 +219,7 @@ def test_process_group_timeout_is_the_pool_timeout():
     ("os.kill(os.getpid(), signal.SIGKILL)", "was killed by signal 9 (SIGKILL)"),
     ("ctypes.string_at(0)", "was killed by signal 11 (SIGSEGV)"),
 ])
+@pytest.mark.slow
 def test_a_dying_rank_is_reported_and_the_pool_recovers(crash, expected, capfd):
     with Pool(2, timeout=30) as p:
         p.error_grace = 0.5
@@ -245,6 +249,7 @@ def test_shutdown_leaves_no_process_and_no_file():
         p.run(print)
 
 
+@pytest.mark.slow
 def test_garbage_collected_pool_leaves_no_process():
     p = Pool(2)
     pids = p.pids
@@ -255,6 +260,7 @@ def test_garbage_collected_pool_leaves_no_process():
     assert gone(pids)
 
 
+@pytest.mark.slow
 def test_restart_gives_fresh_ranks(pool):
     pool.push(lr=0.1)
     old = pool.pids
@@ -266,6 +272,7 @@ def test_restart_gives_fresh_ranks(pool):
     assert pool.run(rank_sum, 0) == [3, 3, 3]
 
 
+@pytest.mark.slow
 def test_a_dead_forkserver_is_replaced():
     server = forkserver.get()
     os.kill(server.pid, signal.SIGKILL)
@@ -275,12 +282,14 @@ def test_a_dead_forkserver_is_replaced():
 
 # --- 8. init methods ---
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["env", "tcp", "file"])
 def test_init_methods(method):
     with Pool(2, init_method=method) as p:
         assert p.run(rank_sum, 1) == [3, 3]
 
 
+@pytest.mark.slow
 def test_init_method_none_leaves_the_group_to_the_notebook():
     with Pool(2, init_method=None) as p:
         env = p.run(lambda: {k: os.environ[k] for k in
@@ -296,6 +305,7 @@ def test_init_method_none_leaves_the_group_to_the_notebook():
         assert p.run(rank_sum, 1) == [3, 3]
 
 
+@pytest.mark.slow
 def test_two_pools_at_once_do_not_collide():
     with Pool(2) as a, Pool(2, init_method="tcp") as b:
         ports = [q.run(lambda: os.environ["MASTER_PORT"])[0] for q in (a, b)]
@@ -366,6 +376,7 @@ def test_percent_ranks_goes_back_to_the_previous_pool_when_a_newer_one_stops(poo
     assert current_pool() is pool
 
 
+@pytest.mark.slow
 def test_shutting_down_never_starts_a_forkserver():
     """At interpreter exit the forkserver may stop before a pool does; tidying up must not
     start a fresh one."""
@@ -433,6 +444,7 @@ def _bookkeeping_settles(server, others: frozenset = frozenset(), within: float 
     return False
 
 
+@pytest.mark.slow
 def test_dropping_pools_without_shutdown_leaks_nothing():
     """What re-running a `pool = Pool(2)` cell does, 30 times over."""
     with Pool(2):  # the forkserver is up and the imports are done before counting
@@ -455,6 +467,7 @@ def _debug_settings():
     return str(dist.get_debug_level()).split(".")[-1], {k: os.environ.get(k) for k in names}
 
 
+@pytest.mark.slow
 def test_debug_switches_set_before_a_pool_reach_its_ranks(monkeypatch, capfd):
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # torch reads it at import
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
@@ -487,6 +500,7 @@ def _mismatched_send_recv():
         dist.recv(torch.zeros(2), src=0)  # too small: gloo aborts this rank
 
 
+@pytest.mark.slow
 def test_a_rank_aborted_by_gloo_gets_a_hint_naming_the_cause_and_the_switch():
     with Pool(2, timeout=30) as p:
         p.error_grace = 0.5
@@ -524,6 +538,7 @@ def _wait_with_a_helper_thread():
 BARRIER_LINE = _wait_with_a_helper_thread.__code__.co_firstlineno + 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("all_threads", [False, True])
 def test_a_hang_report_is_structured_and_can_show_every_thread(all_threads):
     with Pool(2, timeout=30, all_threads=all_threads) as p:
@@ -554,6 +569,7 @@ def test_warnings_on_the_ranks_name_files_without_this_machines_paths(pool, capf
     assert os.path.dirname(os.path.dirname(__file__)) not in err
 
 
+@pytest.mark.slow
 def test_the_kernel_side_imports_neither_torch_nor_ipython_glue_it_does_not_need():
     code = ("import sys\n"
             "import ddplab.pool\n"
@@ -578,6 +594,7 @@ def _build_ddp():
 
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"),
                     reason="the crash is known in torch 2.13; other releases may differ")
+@pytest.mark.slow
 def test_detail_on_gloo_warns_before_ddp_crashes_and_the_crash_gets_the_hint(capfd):
     with Pool(2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=30) as p:
         assert "Note: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo: building " \

@@ -48,6 +48,7 @@ def _get(url: str) -> tuple[int, str, bytes]:
         return resp.status, resp.headers.get("Content-Type", ""), resp.read()
 
 
+@pytest.mark.slow
 def test_lab_serves_notebooks(start_lab) -> None:
     with start_lab(ROOT) as lab:
         status, _, body = _get(lab.url("/api/contents"))
@@ -78,6 +79,7 @@ def _execute(*paths: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_execute_reruns_notebook_in_place(tmp_path: Path) -> None:
     v4 = nbformat.v4
     good = tmp_path / "good.ipynb"
@@ -154,3 +156,20 @@ def test_each_command_documents_its_options(command: str, option: str,
     out = capsys.readouterr().out
     assert out.startswith(f"usage: ddplab {command}")
     assert option in out
+
+
+def test_every_link_from_a_chapter_to_the_docs_lands_on_an_anchor_that_exists() -> None:
+    """Chapters link terms to docs/glossary.md#anchor; a renamed anchor would leave the
+    learner at the top of the page, so each link must find its `<a id="...">`."""
+    anchors = {path.name: set(re.findall(r'<a id="([^"]+)"></a>', path.read_text()))
+               for path in (ROOT / "docs").glob("*.md")}
+    links = 0
+    for notebook in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
+        for cell in nbformat.read(notebook, as_version=4).cells:
+            if cell.cell_type != "markdown":
+                continue
+            for page, anchor in re.findall(r"\]\(\.\./docs/([\w.-]+\.md)#([\w-]+)\)",
+                                           cell.source):
+                links += 1
+                assert anchor in anchors.get(page, set()), (notebook.name, page, anchor)
+    assert links >= 13  # every chapter but a few links at least one term

@@ -24,6 +24,9 @@ from ddplab import Pool, RankError
 from ddplab.data import load_mnist, save_subset
 from ddplab.train import CHECKPOINT, Config, Net, inputs, train
 
+# Every test here trains for real (in a pool or in processes of its own).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
