@@ -1,5 +1,6 @@
 """Typical wrong attempts at the exercises, and the verdict each gets: the check must name
-what is wrong, not only that something is (chapters 4b, 6, 7 and 8).
+what is wrong, not only that something is. Every chapter has a table; chapter 5's covers
+5.1 only, because 5.2 and 5.3 train and evaluate a model at every check.
 
 Apart from `test_exercises.py` so that pytest-xdist's two processes, which take whole files,
 can share the exercises' checks between them.
@@ -391,6 +392,189 @@ CHAPTER_4B = [
 ]
 
 
+# --- chapter 4a: typical wrong attempts and the verdict each gets ---
+
+def _max_from_zero(t):
+    """4.1, wrong: starts the maximum at 0, so all-negative values come out as 0."""
+    import torch
+    import torch.distributed as dist
+
+    mine = max(0.0, float(t.max()))
+    best = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+    owner = torch.tensor([dist.get_rank() if mine == best.item() else dist.get_world_size()])
+    dist.all_reduce(owner, op=dist.ReduceOp.MIN)
+    return best.item(), int(owner.item())
+
+
+def _highest_owner_wins(t):
+    """4.1, wrong: on a tie the highest rank holding the maximum is named."""
+    import torch
+    import torch.distributed as dist
+
+    best = t.max().reshape(1).clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+    owner = torch.tensor([dist.get_rank() if bool((t == best).any()) else -1])
+    dist.all_reduce(owner, op=dist.ReduceOp.MAX)
+    return best.item(), int(owner.item())
+
+
+def _value_only(t):
+    """4.1, wrong: returns the maximum without its rank."""
+    import torch.distributed as dist
+
+    best = t.max().reshape(1).clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+    return best.item()
+
+
+def _one_shared_buffer(t):
+    """4.2, wrong: every broadcast lands in the same buffer."""
+    import torch
+    import torch.distributed as dist
+
+    buffer, out = torch.empty_like(t), []
+    for source in range(dist.get_world_size()):
+        if source == dist.get_rank():
+            buffer.copy_(t)
+        dist.broadcast(buffer, src=source)
+        out.append(buffer)
+    return out
+
+
+def _broadcast_into_t(t):
+    """4.2, wrong: receives into t itself, so every later turn re-sends rank 0's tensor."""
+    import torch.distributed as dist
+
+    out = []
+    for source in range(dist.get_world_size()):
+        dist.broadcast(t, src=source)
+        out.append(t.clone())
+    return out
+
+
+def _all_gather_itself(t):
+    """4.2, wrong: the collective the exercise asks to build."""
+    import torch
+    import torch.distributed as dist
+
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+def _whole_sum(t):
+    """4.3, wrong: every rank keeps the whole sum, not its piece."""
+    import torch.distributed as dist
+
+    total = t.clone()
+    dist.all_reduce(total)
+    return total
+
+
+def _sum_in_place(t):
+    """4.3, wrong: all_reduce on t itself changes the caller's tensor."""
+    import torch.distributed as dist
+
+    dist.all_reduce(t)
+    return t.chunk(dist.get_world_size())[dist.get_rank()].clone()
+
+
+def _reduce_scatter_itself(t):
+    """4.3, wrong: the collective the exercise asks to build."""
+    import torch
+    import torch.distributed as dist
+
+    pieces = list(t.chunk(dist.get_world_size()))
+    out = torch.empty_like(pieces[0])
+    dist.reduce_scatter(out, pieces)
+    return out
+
+
+CHAPTER_4A = [
+    ("4.1", _max_from_zero, "with 4 ranks (float32 tensors [[-7.5, -2.0]",
+     "start from the values themselves"),
+    ("4.1", _highest_owner_wins, "with 4 ranks (int64 tensors [[4, 17, 9]",
+     "the lowest of them wins"),
+    ("4.1", _value_only, "with 2 ranks (float32 tensors", "return a pair"),
+    ("4.2", _one_shared_buffer, "with 3 ranks (int64 tensors), item 0 of rank 0's list",
+     "one shared buffer ends up holding the last broadcast only"),
+    # Rank 0's t gets its own values back (rank 1 re-sends them), so the list gives it away.
+    ("4.2", _broadcast_into_t, "with 3 ranks (int64 tensors), item 1 of rank 0's list",
+     "item k of the list must be the tensor broadcast by rank k"),
+    ("4.2", _all_gather_itself, "the result is right, but with 3 ranks rank 0 called "
+     "dist.all_gather", "broadcast shares one rank's tensor"),
+    ("4.3", _whole_sum, "with 2 ranks (int64 tensors of 6 values), rank 0 returned",
+     "return only your piece"),
+    ("4.3", _sum_in_place, "with 2 ranks (int64 tensors of 6 values), rank 0's tensor t was "
+     "changed", "give them a copy"),
+    ("4.3", _reduce_scatter_itself, "the result is right, but with 2 ranks rank 0 called "
+     "dist.reduce_scatter", "rank r's answer is piece r"),
+]
+
+
+# --- chapter 5: typical wrong attempts at 5.1 and the verdict each gets ---
+# (5.2 and 5.3 train and evaluate a model on every check: their branches are left to the
+# chapter's own empty-attempt verdicts, to keep the suite's time.)
+
+def _split_in_blocks(n, rank, world_size, epoch, seed):
+    """5.1, wrong: the right shuffle cut into consecutive blocks."""
+    import math
+
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    order = torch.randperm(n, generator=g).tolist()
+    total = math.ceil(n / world_size) * world_size
+    padded = (order * total)[:total]
+    share = total // world_size
+    return padded[rank * share:(rank + 1) * share]
+
+
+def _split_without_epoch(n, rank, world_size, epoch, seed):
+    """5.1, wrong: forgets set_epoch, so every epoch shuffles alike."""
+    import math
+
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    order = torch.randperm(n, generator=g).tolist()
+    total = math.ceil(n / world_size) * world_size
+    return (order * total)[:total][rank::world_size]
+
+
+def _split_unpadded(n, rank, world_size, epoch, seed):
+    """5.1, wrong: no padding, so shares differ in length."""
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g).tolist()[rank::world_size]
+
+
+def _split_with_the_sampler(n, rank, world_size, epoch, seed):
+    """5.1, wrong: right, but by iterating the sampler the exercise asks to rebuild."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=seed)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+CHAPTER_5 = [
+    ("5.1", _split_in_blocks, "with 3 ranks, for n=12, epoch=0, seed=0, rank 0 returned",
+     "rank r takes the indices at positions r, r + world_size"),
+    ("5.1", _split_without_epoch, "with 3 ranks, for n=12, epoch=1, seed=7, rank 0 returned",
+     "seeded with seed + epoch"),
+    ("5.1", _split_unpadded, "with 3 ranks, for n=10, epoch=2, seed=0, rank 1 returned",
+     "the shuffled list is extended by repeating its own first indices"),
+    ("5.1", _split_with_the_sampler, "the splits are right, but with 3 ranks rank 0 "
+     "iterated a DistributedSampler", "by hand"),
+]
+
+
 # --- chapter 6: typical wrong attempts and the verdict each gets ---
 
 def _second_reader_wins(env):
@@ -630,8 +814,8 @@ CHAPTER_3 = [
 
 # Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
 @pytest.mark.parametrize("exercise_id, attempt, message, hint",
-                         CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4B
-                         + CHAPTER_6
+                         CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4A
+                         + CHAPTER_4B + CHAPTER_5 + CHAPTER_6
                          + CHAPTER_7 + CHAPTER_8)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
