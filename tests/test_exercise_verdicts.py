@@ -119,7 +119,26 @@ CHAPTER_0 = [
      "all_reduce", "add up only its own share"),
 ]
 
+def _local_rank_is_rank():
+    """1.2, wrong: takes the global rank for the local one (true on one node only)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return f"rank {rank} of {world} (local rank {rank})"
+
+
+def _whoami_prints():
+    """1.2, wrong: prints the line instead of returning it."""
+    import torch.distributed as dist
+
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()}")
+
+
 CHAPTER_1 = [
+    ("1.2", _local_rank_is_rank, "on rank 2 your function returned 'rank 2 of 4 (local rank "
+     "2)'; expected 'rank 2 of 4 (local rank 0)'. The check runs the 4 ranks as 2 nodes", ""),
+    ("1.2", _whoami_prints, "on rank 0 your function returned None, not a string",
+     "ask the environment"),
     ("1.1", lambda rank, gpus: list(range(rank, rank + gpus)), "node_mates(1, gpus_per_node=4) "
      "returned [1, 2, 3, 4], counting from rank 1 itself", "where its block of ranks starts"),
     ("1.1", lambda rank, gpus: list(range(rank % gpus, 40, gpus)), "node_mates(0, "
