@@ -1,0 +1,43 @@
+"""What `Shell` shows of a launcher's output (the commands themselves run in the chapters
+and in test_launchers.py)."""
+
+from __future__ import annotations
+
+from ddplab.shell import EXIT_BARRIER_NOTE, fold_exit_barrier_race
+
+# Node rank 1's stderr when the master's agent got through torchrun's exit barrier first
+# and took its store with it (seen in CI, 2026-11-23; C++ frames shortened).
+AGENT = "E1123 17:36:03.127000 4242 torch/distributed/elastic/agent/server/api.py:1008] "
+RACE = (
+    "[W1123 17:36:03.107481406 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on "
+    "SocketImpl(fd=71, addr=[::ffff:127.0.0.1]:43210, remote=[::ffff:127.0.0.1]:29500): "
+    "Connection reset by peer\n"
+    "Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/"
+    "Utils.hpp:784 (most recent call first):\n"
+    "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f in libc10.so)\n"
+    "frame #1: c10d::TCPStore::doWait(c10::ArrayRef<std::string>) + 0xc5 (0x7f in libtorch.so)\n"
+    "<omitting python frames>\n"
+    "frame #31: _start + 0x21 (0x55 in python)\n"
+    "\n"
+    f"{AGENT}Error waiting on exit barrier. Elapsed: 0.0195 seconds\n"
+    f"{AGENT}Traceback (most recent call last):\n"
+    f'{AGENT}  File "api.py", line 994, in _exit_barrier\n'
+    f"{AGENT}    store.wait([last_member_key])\n"
+    f"{AGENT}torch.distributed.DistNetworkError: Connection reset by peer\n"
+)
+
+TRAINING = "epoch 1/2: loss 2.1306, train accuracy 25.39%\ndone: 2 ranks (torchrun)\n"
+OTHER_WARNING = ("W1123 17:36:01.000000 4242 torch/distributed/run.py:803] Setting "
+                 "OMP_NUM_THREADS\n")
+
+
+def test_the_exit_barrier_race_is_folded_into_one_line():
+    shown = fold_exit_barrier_race(OTHER_WARNING + TRAINING + RACE)
+    assert shown == OTHER_WARNING + TRAINING + EXIT_BARRIER_NOTE + "\n"
+
+
+def test_output_without_the_race_is_left_as_it_is():
+    assert fold_exit_barrier_race(OTHER_WARNING + TRAINING) == OTHER_WARNING + TRAINING
+    other_reset = ("[W1123 17:36:03.1 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed "
+                   "on SocketImpl(fd=7): Connection timed out\n")
+    assert fold_exit_barrier_race(other_reset) == other_reset
