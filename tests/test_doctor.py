@@ -76,6 +76,7 @@ def prints(rank, n, device):
 
 # --- one full report on this machine, shared by the tests that read it ---
 
+# The full probe below takes tens of seconds: the tests that read it are marked slow.
 @pytest.fixture(scope="module")
 def full():
     """The default report, with the ranks' own output shown: it must be empty."""
@@ -96,6 +97,7 @@ def test_full_probe_is_fast_silent_and_warning_free(full):
     assert [str(w.message) for w in caught] == []
 
 
+@pytest.mark.slow
 def test_every_operation_works_with_gloo_on_the_cpu(full):
     matrix = full[0].matrix
     assert [op.name for op in matrix.ops] == [op.name for op in OPS]
@@ -107,6 +109,7 @@ def test_every_operation_works_with_gloo_on_the_cpu(full):
         assert matrix[name, "gloo/cpu"].mark == "✓"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_gpu_columns_are_not_probed_and_say_why(full):
     matrix = full[0].matrix
@@ -118,12 +121,14 @@ def test_gpu_columns_are_not_probed_and_say_why(full):
         assert "GPU" in cell.detail or "CUDA" in cell.detail
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(dist.is_mpi_available(), reason="this torch has MPI")
 def test_mpi_column_says_torch_lacks_it(full):
     assert full[0].matrix["all_reduce", "mpi/cpu"] == Cell(SKIPPED,
                                                            "this torch was built without MPI")
 
 
+@pytest.mark.slow
 def test_the_differences_with_the_docs_name_all_to_all_on_gloo_cpu(full):
     differences = full[0].differences
     assert "all_to_all on gloo/cpu: the docs say ✘, it works here." in differences
@@ -134,6 +139,7 @@ def test_the_differences_with_the_docs_name_all_to_all_on_gloo_cpu(full):
         assert sentence.split(":")[0].split(" on ")[-1] in probed, sentence
 
 
+@pytest.mark.slow
 def test_the_report_prints_each_part_aligned_and_without_machine_paths(full):
     found = full[0]
     text = str(found)
@@ -151,6 +157,7 @@ def test_the_report_prints_each_part_aligned_and_without_machine_paths(full):
     assert "[1] " in str(found.matrix)  # reasons are numbered notes, not table text
 
 
+@pytest.mark.slow
 def test_beside_docs_marks_the_disagreement(full):
     beside = full[0].beside_docs
     text = str(beside)
@@ -287,6 +294,7 @@ def test_ddplab_doctor_refuses_an_unknown_backend(capsys):
 
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"),
                     reason="the crash is known in torch 2.13; other releases may differ")
+@pytest.mark.slow
 def test_the_ddp_crash_under_detail_is_probed_live_and_reported(capsys):
     (check,) = doctor.probe_switches()
     assert not check.works and "SIGSEGV" in check.detail

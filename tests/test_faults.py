@@ -20,6 +20,7 @@ def pool():
         yield p
 
 
+@pytest.mark.slow
 def test_a_hang_report_carries_the_flight_recorder_and_reads_it(pool):
     trial = faults.attempt(pool, "skip", victim=2, timeout=3)
     err = trial.error
@@ -51,6 +52,7 @@ def test_detail_names_the_mismatch_with_sequence_numbers():
     assert op.seen[1] == "✗ WRONG answer, no error"  # DETAIL does not compare reduce ops
 
 
+@pytest.mark.slow
 def test_gloo_giving_up_rebuilds_the_pool():
     """After gloo's own timeout the group's connections are closed: the pool starts anew."""
     with Pool(2, timeout=2) as p:

@@ -19,6 +19,9 @@ from test_pool import gone
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Each test starts a real IPython kernel (and its pool): left out of `make quick`.
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Reply:

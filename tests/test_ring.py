@@ -59,12 +59,14 @@ def run_algorithm(name, numel, dtype):
     return x, expected, traffic
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ring.ALGORITHMS))
 def test_every_algorithm_equals_dist_all_reduce_exactly_on_integers(pool, name):
     for x, expected, _ in pool.run(run_algorithm, name, 1003, torch.int64):
         assert torch.equal(x, expected)
 
 
+@pytest.mark.slow
 def test_the_ring_on_floats_agrees_up_to_the_order_of_summation(pool):
     results = pool.run(run_algorithm, "ring", 4096, torch.float32)
     x, expected, _ = results[0]

@@ -54,6 +54,7 @@ def expected(spec: Spec) -> list[list | None]:
     return [torch.stack([x[r] for x in inputs]).tolist() for r in range(WORLD)]  # all_to_all
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_each_collective_runs_for_real_and_matches_plain_torch(explorer, collective):
     op = "AVG" if collective == "reduce" else "MAX"
