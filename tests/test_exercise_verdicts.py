@@ -1,6 +1,6 @@
 """Typical wrong attempts at the exercises, and the verdict each gets: the check must name
-what is wrong, not only that something is. Every chapter has a table; chapter 5's covers
-5.1 only, because 5.2 and 5.3 train and evaluate a model at every check.
+what is wrong, not only that something is. Every chapter has a table; chapter 5's leaves
+out 5.3, whose every check trains a DDP model.
 
 Apart from `test_exercises.py` so that pytest-xdist's two processes, which take whole files,
 can share the exercises' checks between them.
@@ -532,9 +532,9 @@ CHAPTER_4A = [
 ]
 
 
-# --- chapter 5: typical wrong attempts at 5.1 and the verdict each gets ---
-# (5.2 and 5.3 train and evaluate a model on every check: their branches are left to the
-# chapter's own empty-attempt verdicts, to keep the suite's time.)
+# --- chapter 5: typical wrong attempts and the verdict each gets ---
+# (5.3 trains a DDP model at every check, 10 s or more: its branches are left to the
+# chapter's own empty-attempt verdict, to keep the suite's time.)
 
 def _split_in_blocks(n, rank, world_size, epoch, seed):
     """5.1, wrong: the right shuffle cut into consecutive blocks."""
@@ -582,6 +582,26 @@ def _split_with_the_sampler(n, rank, world_size, epoch, seed):
     return list(sampler)
 
 
+def _count_everything(model, images, labels):
+    """5.2, wrong: every rank evaluates every digit (right counts, no speed-up)."""
+    import torch
+
+    with torch.no_grad():
+        correct = int((model(images).argmax(1) == labels).sum())
+    return correct, len(labels)
+
+
+def _count_own_share_only(model, images, labels):
+    """5.2, wrong: each rank counts its share and forgets to add the ranks' counts up."""
+    import torch
+    import torch.distributed as dist
+
+    mine = slice(dist.get_rank(), None, dist.get_world_size())
+    with torch.no_grad():
+        correct = int((model(images[mine]).argmax(1) == labels[mine]).sum())
+    return correct, len(labels[mine])
+
+
 CHAPTER_5 = [
     ("5.1", _split_in_blocks, "with 3 ranks, for n=12, epoch=0, seed=0, rank 0 returned",
      "rank r takes the indices at positions r, r + world_size"),
@@ -591,6 +611,10 @@ CHAPTER_5 = [
      "the shuffled list is extended by repeating its own first indices"),
     ("5.1", _split_with_the_sampler, "the splits are right, but with 3 ranks rank 0 "
      "iterated a DistributedSampler", "by hand"),
+    ("5.2", _count_everything, "with 3 ranks and 1,001 test digits, every rank evaluated all",
+     "evaluate only this rank's share"),
+    ("5.2", _count_own_share_only, "with 3 ranks and 1,001 test digits, the ranks returned "
+     "different pairs", "add up every rank's counts with a collective"),
 ]
 
 
