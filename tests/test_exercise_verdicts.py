@@ -1,6 +1,5 @@
 """Typical wrong attempts at the exercises, and the verdict each gets: the check must name
-what is wrong, not only that something is. Every chapter has a table; chapter 5's leaves
-out 5.3, whose every check trains a DDP model.
+what is wrong, not only that something is. Every chapter has a table.
 
 Apart from `test_exercises.py` so that pytest-xdist's two processes, which take whole files,
 can share the exercises' checks between them.
@@ -533,8 +532,7 @@ CHAPTER_4A = [
 
 
 # --- chapter 5: typical wrong attempts and the verdict each gets ---
-# (5.3 trains a DDP model at every check, 10 s or more: its branches are left to the
-# chapter's own empty-attempt verdict, to keep the suite's time.)
+# (5.3 trains a DDP model at every check, 10 s or more: one row, its most typical mistake.)
 
 def _split_in_blocks(n, rank, world_size, epoch, seed):
     """5.1, wrong: the right shuffle cut into consecutive blocks."""
@@ -602,6 +600,14 @@ def _count_own_share_only(model, images, labels):
     return correct, len(labels[mine])
 
 
+def _accumulate_syncing_every_time(ddp_model, micro_batches):
+    """5.3, wrong: right gradients, but without no_sync every backward all-reduces."""
+    import torch.nn.functional as F
+
+    for x, y in micro_batches:
+        (F.cross_entropy(ddp_model(x), y) / len(micro_batches)).backward()
+
+
 CHAPTER_5 = [
     ("5.1", _split_in_blocks, "with 3 ranks, for n=12, epoch=0, seed=0, rank 0 returned",
      "rank r takes the indices at positions r, r + world_size"),
@@ -613,6 +619,9 @@ CHAPTER_5 = [
      "iterated a DistributedSampler", "by hand"),
     ("5.2", _count_everything, "with 3 ranks and 1,001 test digits, every rank evaluated all",
      "evaluate only this rank's share"),
+    ("5.3", _accumulate_syncing_every_time, "with 2 ranks, 3 micro-batches of 8 digits each, "
+     "the gradients are right, but DDP made 3 synchronizations",
+     "inside `with ddp_model.no_sync():`"),
     ("5.2", _count_own_share_only, "with 3 ranks and 1,001 test digits, the ranks returned "
      "different pairs", "add up every rank's counts with a collective"),
 ]
