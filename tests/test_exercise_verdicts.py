@@ -169,7 +169,9 @@ CHAPTER_2 = [
      ""),
     ("2.1", _never_leaves, "after your function returned, the process group was still "
      "initialized on ranks 0, 1, 2 and 3", "leave the group"),
-    ("2.2", _counts_without_waiting, "on rank 0 your function returned", "look more than once"),
+    # Which early rank is named depends on who reached the store first: under load, rank 0
+    # may arrive after the late rank 2 and get the full count (seen in CI).
+    ("2.2", _counts_without_waiting, "on rank ", "look more than once"),
     ("2.3", _ranks_from_one, "the processes took the ranks", "the first caller gets 1"),
     ("2.3", _addresses_as_bytes, "process 0 (rank ", ".decode()"),
 ]
