@@ -145,14 +145,24 @@ def ranks(world_size: int, **kwargs):
     return Pool(world_size, quiet=True, **kwargs)
 
 
+LOAD_TIMEOUT = 60.0  # seconds the ranks may take to load an attempt (imports, on a busy machine)
+
+
+def _received(*args) -> None:
+    """Runs on each rank: nothing. Receiving the arguments loads what they need."""
+
+
 def run_in_time(pool, fn: Callable, *args, meaning: str, hint: str,
                 deadline: float = 5.0) -> list:
     """`pool.run` with an exercise's deadline: a hang becomes a NotYet that says where.
 
     Correct answers take milliseconds, so an attempt still running after `deadline` is
     stuck; the verdict names the ranks and what they were waiting in, then `meaning` says
-    what that tells about the attempt, and `hint` how to get out of it.
+    what that tells about the attempt, and `hint` how to get out of it. The arguments are
+    sent once before the clock starts, so that importing the module an attempt lives in
+    (seconds, on a loaded machine) is never mistaken for a hang.
     """
+    pool.run(_received, fn, *args, timeout=max(LOAD_TIMEOUT, deadline))
     try:
         return pool.run(fn, *args, timeout=deadline)
     except RankTimeout as err:

@@ -24,22 +24,6 @@ ORDER_HINT = ("a blocking send() only returns once its receiver has posted the m
               "post both halves of its exchange before waiting on either.")
 
 
-def _ready(attempt: Callable) -> None:
-    """Runs on each rank: nothing, but receiving `attempt` imports the module it lives in."""
-
-
-def _pool(world_size: int, attempt: Callable):
-    """A checker's pool whose ranks have loaded the attempt, so that the deadline measures
-    the attempt's own run, not an import that a loaded machine makes slow."""
-    pool = ranks(world_size)
-    try:
-        pool.run(_ready, attempt, timeout=60)
-    except BaseException:
-        pool.shutdown()
-        raise
-    return pool
-
-
 def _run(pool, fn: Callable, *args) -> list:
     """pool.run with the exercise's deadline; a hang becomes a NotYet that says where."""
     return run_in_time(pool, fn, *args, deadline=DEADLINE, hint=ORDER_HINT,
@@ -129,10 +113,10 @@ def _check_shift(got: list, world_size: int, k: int, kind: str) -> None:
 def check_shift(attempt: Callable) -> str:
     from ddplab.errors import RankError
 
-    with _pool(4, attempt) as pool:
+    with ranks(4) as pool:
         for k, kind in ((1, "int"), (2, "float"), (-1, "int"), (5, "int")):
             _check_shift(_run(pool, _shift_on_rank, attempt, k, kind), 4, k, kind)
-    with _pool(3, attempt) as pool:
+    with ranks(3) as pool:
         for k, kind in ((1, "int"), (2, "float")):  # an odd ring: parity tricks deadlock
             _check_shift(_run(pool, _shift_on_rank, attempt, k, kind), 3, k, kind)
         try:  # last: an attempt that sends to itself breaks its group
@@ -178,7 +162,7 @@ def _unknown_on_rank(attempt: Callable, shape: tuple):
 def check_send_unknown(attempt: Callable) -> str:
     import torch
 
-    with _pool(3, attempt) as pool:
+    with ranks(3) as pool:
         for shape in SHAPES:
             got = _run(pool, _unknown_on_rank, attempt, shape)
             want = (torch.arange(1, 1 + int(torch.tensor(shape).prod()), dtype=torch.float32)
@@ -236,7 +220,7 @@ def _expect_every_tensor(value, want: list, rank: int, placement_hint: str) -> N
                "step instead of only passing it on.")
 def check_ring_all_gather(attempt: Callable) -> str:
     for world_size in (3, 4):
-        with _pool(world_size, attempt) as pool:
+        with ranks(world_size) as pool:
             got = _run(pool, _on_own_int_data, attempt)
         want = [_data(r, "int") for r in range(world_size)]
         for rank, value in enumerate(got):
