@@ -157,8 +157,7 @@ class Shell:
 # logs "Connection reset by peer" with C++ frames and a Python traceback: a race inside
 # torch.distributed.elastic, after training has finished, harmless (the job succeeds).
 # Whether it happens depends on timing; what a chapter shows must not, so it is folded.
-_RESET = re.compile(r"^\[W\S* \S+ TCPStore\.cpp:\d+\] \[c10d\] recvValueWithTimeout failed "
-                    r".*Connection reset by peer$")
+_RESET = re.compile(r"^\[W\S* \S+ TCPStore\.cpp:\d+\] \[c10d\] recvValueWithTimeout failed ")
 _RESET_DETAIL = re.compile(r"^(Exception raised from recvBytes |frame #\d+: |"
                            r"<omitting python frames>$|$)")
 _BARRIER = re.compile(r"^[EW]\S* \S+ +\d+ (\S*api\.py:\d+)\] Error waiting on exit barrier")
@@ -168,7 +167,13 @@ EXIT_BARRIER_NOTE = ("(torchrun: this node's agent lost the master's store at th
 
 
 def fold_exit_barrier_race(text: str) -> str:
-    """`text` with torchrun's exit-barrier race (see above) folded into one line."""
+    """`text` with torchrun's exit-barrier race (see above) folded into one line.
+
+    The store's side of it ("Connection reset by peer", or "got 0 bytes") is folded only
+    beside the agent's "Error waiting on exit barrier": alone, it may be a real failure.
+    """
+    if not any(_BARRIER.match(line) for line in text.splitlines()):
+        return text
     kept, folded, skipping = [], False, None
     for line in text.splitlines(keepends=True):
         bare = line.rstrip("\n")

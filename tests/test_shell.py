@@ -36,8 +36,15 @@ def test_the_exit_barrier_race_is_folded_into_one_line():
     assert shown == OTHER_WARNING + TRAINING + EXIT_BARRIER_NOTE + "\n"
 
 
+def test_the_race_is_folded_whichever_way_the_store_saw_the_master_go():
+    gone = RACE.replace("Connection reset by peer\n", "Failed to recv, got 0 bytes. "
+                        "Connection was likely closed.\n", 1)
+    assert gone != RACE
+    assert fold_exit_barrier_race(TRAINING + gone) == TRAINING + EXIT_BARRIER_NOTE + "\n"
+
+
 def test_output_without_the_race_is_left_as_it_is():
     assert fold_exit_barrier_race(OTHER_WARNING + TRAINING) == OTHER_WARNING + TRAINING
-    other_reset = ("[W1123 17:36:03.1 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed "
-                   "on SocketImpl(fd=7): Connection timed out\n")
-    assert fold_exit_barrier_race(other_reset) == other_reset
+    # The store's side alone, with no exit barrier in sight, may be a real failure.
+    store_only = RACE.split("\n\n")[0] + "\n"
+    assert fold_exit_barrier_race(store_only) == store_only
