@@ -1,13 +1,17 @@
 # ddplab: `make lab` to learn, `make test` to check. Everything lives in $(VENV).
 #
-# GPU users pick a CUDA build of torch, CPU-only laptops a CPU build, e.g.
-#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# Setup installs the lock (requirements.lock: every package pinned and hashed, torch
+# included) with uv, which reads only PyPI: the same packages on every machine. On Linux
+# PyPI's torch is the CUDA build, which also runs on machines without a GPU. To take torch
+# from another index (the CPU-only build is a much smaller download), name it:
 #   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# (an existing venv keeps its torch: `make clean` first.)
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
+#   make setup TORCH_INDEX=/path/to/a/folder/of/wheels       (an offline classroom)
+# Everything but torch and the CUDA build's own packages then still comes from the lock.
 
 PYTHON      ?= python3
 VENV        ?= .venv
-TORCH       ?= torch==2.13.0
+LOCK        ?= requirements.lock
 TORCH_INDEX ?=
 LAB_ARGS    ?=
 # Two test processes (pytest-xdist), each taking whole files, so a notebook's cells run in
@@ -15,6 +19,17 @@ LAB_ARGS    ?=
 # so two at once finish in about three quarters of the time even on two cores.
 # `make test PYTEST_ARGS=` runs everything in one process.
 PYTEST_ARGS ?= -n 2 --dist loadfile
+# The torch release the lock pins, and the notebooks' outputs were made with.
+TORCH       ?= torch==2.13.0
+# uv installs and locks; it is bootstrapped into the venv by pip, pinned.
+UV_VERSION  := 0.13.9
+UV          := $(VENV)/uv/bin/uv
+UV_PIP       = $(UV) pip --quiet
+# The Pythons `make test-matrix` runs the suite on (each must be on PATH as pythonX.Y).
+PYTHONS     ?= 3.10 3.11 3.12 3.13
+# The packages that only the CUDA build of torch needs: left out of the lock's install when
+# TORCH_INDEX brings torch from elsewhere.
+CUDA_ONLY   := ^(torch|triton|nvidia-[a-z0-9-]+|cuda-[a-z]+)==
 
 # Use the venv's Jupyter kernels and config before any in the user's home.
 export JUPYTER_PREFER_ENV_PATH = 1
@@ -22,20 +37,27 @@ export JUPYTER_PREFER_ENV_PATH = 1
 STAMP := $(VENV)/.ddplab-setup
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test quick lint notebooks clean
+.PHONY: help setup lab test quick lint notebooks lock test-latest test-matrix clean
 
 help: ## list the targets
-	@echo "make <target>   (variables: PYTHON VENV TORCH TORCH_INDEX LAB_ARGS PYTEST_ARGS)"
-	@awk -F ':.*## ' '/^[a-z]+:.*## / { printf "  %-10s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+	@echo "make <target>   (variables: PYTHON VENV TORCH_INDEX LAB_ARGS PYTEST_ARGS PYTHONS)"
+	@awk -F ':.*## ' '/^[a-z-]+:.*## / { printf "  %-12s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
-setup: $(STAMP) ## create the venv with torch first, then ddplab[test] (instant once done)
+setup: $(STAMP) ## create the venv from the lock (instant once done)
 
-# torch is installed on its own, first, so that the pinned build (or the one from
-# TORCH_INDEX) is the one that satisfies ddplab's `torch>=...` requirement.
-$(STAMP): pyproject.toml
+$(STAMP): $(LOCK) pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(VENV)/bin/python -m pip install -e ".[test]"
+	test -x $(UV) || $(VENV)/bin/python -m pip install --quiet --target $(VENV)/uv "uv==$(UV_VERSION)"
+ifeq ($(strip $(TORCH_INDEX)),)
+	$(UV_PIP) sync --python $(VENV)/bin/python --require-hashes $(LOCK)
+else
+	awk '/^[^ #]/ { skip = ($$0 ~ /$(CUDA_ONLY)/) } !skip' $(LOCK) > $(VENV)/lock-without-torch.txt
+	$(UV_PIP) sync --python $(VENV)/bin/python --require-hashes $(VENV)/lock-without-torch.txt
+	$(UV_PIP) install --python $(VENV)/bin/python --no-deps \
+	    $(if $(wildcard $(TORCH_INDEX)),--no-index --find-links,--index-url) $(TORCH_INDEX) \
+	    "torch==$(shell sed -n 's/^torch==\([^ ;]*\).*/\1/p' $(LOCK) | head -n 1)"
+endif
+	$(UV_PIP) install --python $(VENV)/bin/python --no-deps -e .
 	touch $@
 
 lab: setup ## open JupyterLab on notebooks/ (pass more options with LAB_ARGS=...)
@@ -53,5 +75,25 @@ lint: setup ## ruff check
 notebooks: setup ## re-execute every notebook in place, so outputs come from the kit
 	$(VENV)/bin/ddplab execute notebooks
 
-clean: ## remove the venv
-	rm -rf $(VENV)
+lock: setup ## refresh requirements.lock: the newest releases (torch as TORCH says) for every supported Python
+	echo "$(TORCH)" | $(UV) pip compile pyproject.toml - --extra test --universal \
+	    --python-version 3.10 --generate-hashes --upgrade --quiet \
+	    --custom-compile-command "make lock" --output-file $(LOCK)
+
+test-latest: ## the whole suite in .venvs/latest, on the newest release of everything, torch included
+	test -x .venvs/latest/bin/python || $(PYTHON) -m venv .venvs/latest
+	test -x .venvs/latest/uv/bin/uv || .venvs/latest/bin/python -m pip install --quiet --target .venvs/latest/uv "uv==$(UV_VERSION)"
+	.venvs/latest/uv/bin/uv pip install --quiet --python .venvs/latest/bin/python --upgrade --reinstall-package ddplab -e ".[test]"
+	.venvs/latest/bin/pip list --format=freeze 2>/dev/null | grep -iE '^(torch|cloudpickle|ipython|ipykernel|jupyterlab|matplotlib|numpy|nbval|pytest)=='
+	.venvs/latest/bin/ruff check .
+	.venvs/latest/bin/pytest $(PYTEST_ARGS)
+
+test-matrix: ## the whole suite on every Python in PYTHONS, each in .venvs/pyX.Y from the lock; a table at the end
+	@for py in $(PYTHONS); do \
+	    $(MAKE) --no-print-directory test PYTHON=python$$py VENV=.venvs/py$$py \
+	        PYTEST_ARGS="$(PYTEST_ARGS) --junitxml=.venvs/py$$py/junit.xml" || true; \
+	done
+	@$(PYTHON) tests/matrix_table.py $(foreach py,$(PYTHONS),.venvs/py$(py))
+
+clean: ## remove the venv (and the matrix's and test-latest's, in .venvs/)
+	rm -rf $(VENV) .venvs
