@@ -20,9 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
-
-from ddplab import ipython, protocol
+from ddplab import ipython, pickling, protocol
 from ddplab.errors import PoolTypeError, RankFailure, Stuck, died
 from ddplab.processes import Processes, kill_groups
 from ddplab.timeouts import Timeouts
@@ -163,7 +161,7 @@ def _payload(procs: Processes, call: Plan) -> bytes:
             if entry:
                 sources[filename] = (display, "".join(entry[2]))
     try:
-        payload = cloudpickle.dumps(protocol.Call(call.fn, call.args, call.kwargs, sources))
+        payload = pickling.dumps(protocol.Call(call.fn, call.args, call.kwargs, sources))
     except Exception as e:
         name = getattr(call.fn, "__name__", call.fn)
         raise PoolTypeError(f"could not send {name!r} and its arguments to the ranks: {e}. "

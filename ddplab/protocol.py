@@ -3,7 +3,7 @@
 A rank has four channels from the kernel (see `processes.py` for how they are made):
 
 - the **command** channel carries requests in and replies out, each one pickled tuple:
-    kernel -> rank   `(CALL, call_id, payload)`   payload: cloudpickle of `Call`
+    kernel -> rank   `(CALL, call_id, payload)`   payload: `Call`, by `pickling.dumps`
                      `(EXIT, 0, b"")`             leave the loop, tear the group down
     rank -> kernel   `(OK, call_id, value)`       the call's return value
                      `(ERR, call_id, failure)`    an `errors.RankFailure`

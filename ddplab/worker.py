@@ -37,11 +37,10 @@ import types
 import warnings
 from multiprocessing.connection import Connection
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ddplab import launch, protocol, tracebacks
+from ddplab import launch, pickling, protocol, tracebacks
 from ddplab.errors import RankFailure
 
 namespace: dict = {}
@@ -203,8 +202,12 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
 
 # --- one call ---
 
-class _ResultPickler(cloudpickle.Pickler):
-    """Sends tensors home on the CPU: the notebook's kernel may have no GPU context."""
+class _ResultPickler(pickling.Pickler):
+    """Sends tensors home on the CPU: the notebook's kernel may have no GPU context.
+
+    Functions defined on the rank (in a `%%ranks` cell) keep their cell's file name, as
+    those the kernel sends do (see `pickling`).
+    """
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
@@ -233,7 +236,7 @@ def _failure(exc: BaseException, started: float, note: str = "") -> RankFailure:
 def _run(call_id: int, payload: bytes) -> bytes:
     started = time.monotonic()
     try:
-        call: protocol.Call = cloudpickle.loads(payload)
+        call: protocol.Call = pickling.loads(payload)
         tracebacks.install_sources(call.sources)
         fn = call.fn.resolve() if isinstance(call.fn, protocol.Ref) else call.fn
         result = fn(*call.args, **call.kwargs)
