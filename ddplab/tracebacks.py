@@ -25,6 +25,7 @@ import sysconfig
 import threading
 import traceback
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ddplab.errors import Frame, ThreadStack
 
@@ -116,11 +117,21 @@ class _LibraryFrame(traceback.FrameSummary):
 
 
 class _ShownStack(traceback.StackSummary):
-    def format_frame_summary(self, frame_summary):
-        if isinstance(frame_summary, _LibraryFrame):
-            return LIBRARY_LINE.format(function=frame_summary.name,
-                                       file=frame_summary.filename)
-        return super().format_frame_summary(frame_summary)
+    """The learner's frames, then at most one `_LibraryFrame`, which prints as one line.
+
+    `format` is the one method overridden, the one every supported Python's
+    `TracebackException.format` calls on its stack. Its arguments are passed on untouched:
+    they differ between Pythons (3.13 added `colorize=`), and so does what `format` calls
+    (`format_frame_summary` appeared in 3.11 and got `colorize=` in 3.13; 3.10 has none,
+    and printed the library frame as "line None"). The learner's frames are formatted by
+    a plain `StackSummary`, the library frame by `LIBRARY_LINE`.
+    """
+
+    def format(self, *args: Any, **kwargs: Any) -> list[str]:
+        own = [f for f in self if not isinstance(f, _LibraryFrame)]
+        lines = traceback.StackSummary.from_list(own).format(*args, **kwargs)
+        return lines + [LIBRARY_LINE.format(function=f.name, file=f.filename)
+                        for f in self if isinstance(f, _LibraryFrame)]
 
 
 def _shown(frames: Iterable[traceback.FrameSummary]) -> traceback.StackSummary:
