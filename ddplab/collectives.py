@@ -79,6 +79,21 @@ def make_input(spec: Spec, rank: int, world_size: int) -> torch.Tensor:
     return flat.reshape(rows, spec.length) if rows > 1 else flat
 
 
+def _newest(name: str, older: str):
+    """`torch.distributed.<name>`, or the same call under its `older` name on a torch that
+    predates the new one (feature-detected, so no version number is parsed)."""
+    return getattr(dist, name, None) or getattr(dist, older)
+
+
+# The single-tensor forms of all_gather and reduce_scatter. torch 2.13 names them
+# all_gather_single and reduce_scatter_single and deprecates (FutureWarning) the names older
+# releases have, all_gather_into_tensor and reduce_scatter_tensor. The kit's own code (the
+# bench, the doctor's probes) calls them through these names, so it runs warning-free on
+# 2.13 and still runs on the older torch a GPU cluster may have (2.11, say).
+all_gather_single = _newest("all_gather_single", "all_gather_into_tensor")
+reduce_scatter_single = _newest("reduce_scatter_single", "reduce_scatter_tensor")
+
+
 def group_device() -> torch.device:
     """Where the default group's tensors must live: NCCL moves only GPU tensors, each rank's
     on the GPU bound to it when the group started (the pool's or a launcher's); gloo, CPU."""

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddplab import collectives
+
 # --- the operations: what runs on each rank, and what each rank should end up with ------------
 #
 # Every tensor is named by its owner so that a wrong answer shows where data went astray:
@@ -129,7 +131,7 @@ def _all_gather(rank: int, n: int, device: torch.device) -> list[torch.Tensor]:
 
 def _all_gather_single(rank: int, n: int, device: torch.device) -> torch.Tensor:
     out = torch.zeros(2 * n * n, device=device)
-    dist.all_gather_single(out, _row(rank, n, device))
+    collectives.all_gather_single(out, _row(rank, n, device))  # whatever this torch calls it
     return out
 
 
@@ -154,7 +156,7 @@ def _reduce_scatter(rank: int, n: int, device: torch.device) -> torch.Tensor:
 
 def _reduce_scatter_single(rank: int, n: int, device: torch.device) -> torch.Tensor:
     got = torch.zeros(2, device=device)
-    dist.reduce_scatter_single(got, _row(rank, n, device))
+    collectives.reduce_scatter_single(got, _row(rank, n, device))
     return got
 
 
