@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ddplab.collectives import group_device
+from ddplab.collectives import all_gather_single, group_device, reduce_scatter_single
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -115,10 +115,10 @@ def _operation(op: str, nbytes: int, dtype: torch.dtype,
         return (lambda: dist.broadcast(x, src=0)), whole
     if op == "all_gather":
         x, out = buffer(per_rank), buffer(whole)
-        return (lambda: dist.all_gather_single(out, x)), whole
+        return (lambda: all_gather_single(out, x)), whole
     if op == "reduce_scatter":
         x, out = buffer(whole), buffer(per_rank)
-        return (lambda: dist.reduce_scatter_single(out, x)), whole
+        return (lambda: reduce_scatter_single(out, x)), whole
     if op == "all_to_all":
         x, out = buffer(whole), buffer(whole)
         return (lambda: dist.all_to_all_single(out, x)), whole
@@ -162,19 +162,35 @@ def measure(op: str, nbytes: int, *, iters: int = 20, warmup: int = 5,
                   dist.get_world_size(), mine.item())
 
 
-def check(ops: Sequence[str], dtype: str) -> None:
-    """Refuse unknown collectives or types, naming the choices (before any rank starts)."""
+def default_ops(world_size: int) -> tuple[str, ...]:
+    """The collectives a sweep runs unless told: all of OPS, send_recv only with a peer."""
+    return OPS if world_size != 1 else tuple(op for op in OPS if op != "send_recv")
+
+
+def check(ops: Sequence[str], dtype: str, world_size: int | None = None) -> None:
+    """Refuse unknown collectives or types, naming the choices, and a send_recv that has no
+    peer (one rank: its ring would send to itself, which gloo refuses) before any rank
+    starts or waits."""
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
         raise ValueError(f"collectives {unknown or 'none'}: choose from {', '.join(OPS)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if world_size == 1 and "send_recv" in ops:
+        raise ValueError("send_recv needs 2 ranks or more: with one rank there is no peer to "
+                         "send to. Start more ranks, or leave send_recv out of the collectives")
 
 
-def sweep(ops: Sequence[str] = OPS, sizes: Sequence[int] | None = None, *, iters: int = 20,
-          warmup: int = 5, dtype: str = "float32") -> list[Result]:
-    """Every collective of `ops` at every size (default: 8 B to 64 MiB); call on all ranks."""
-    check(ops, dtype)
+def sweep(ops: Sequence[str] | None = None, sizes: Sequence[int] | None = None, *,
+          iters: int = 20, warmup: int = 5, dtype: str = "float32") -> list[Result]:
+    """Every collective of `ops` at every size (default: 8 B to 64 MiB); call on all ranks.
+
+    `ops` defaults to every collective this world size can run (`default_ops`: on one rank,
+    one GPU say, all but send_recv).
+    """
+    world_size = dist.get_world_size()
+    ops = default_ops(world_size) if ops is None else ops
+    check(ops, dtype, world_size)
     return [measure(op, size, iters=iters, warmup=warmup, dtype=DTYPES[dtype])
             for op in ops for size in (sizes or message_sizes())]
 
@@ -187,7 +203,8 @@ def machine() -> str:
         where = f"GPU {torch.cuda.get_device_name()}"
     else:
         where = f"CPU {_cpu_name()} ({os.cpu_count()} cores)"
-    return (f"{backend}, {ranks} ranks, {where}, torch {torch.__version__}, "
+    plural = "s" if ranks != 1 else ""
+    return (f"{backend}, {ranks} rank{plural}, {where}, torch {torch.__version__}, "
             f"{platform.system()} {platform.machine()}")
 
 
@@ -266,8 +283,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-w", "--warmup_iters", type=int, default=5,
                         help="untimed runs first (default 5)")
     parser.add_argument("-d", "--datatype", default="float32", choices=list(DTYPES))
-    parser.add_argument("--ops", default=",".join(OPS),
-                        help=f"comma-separated collectives (default: all of {','.join(OPS)})")
+    parser.add_argument("--ops", default=None,
+                        help=f"comma-separated collectives (default: all of {','.join(OPS)}; "
+                             "send_recv only with 2 ranks or more)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also save busbw against size as a picture")
     parser.add_argument("--json", metavar="FILE.json",
@@ -287,10 +305,14 @@ def parse_size(text: str) -> int:
     return size
 
 
-def options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of `sweep` that the command-line options stand for, checked."""
-    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    check(ops, args.datatype)
+def options(args: argparse.Namespace, world_size: int) -> dict:
+    """The keyword arguments of `sweep` that the command-line options stand for, checked
+    for a sweep on `world_size` ranks."""
+    if args.ops is None:
+        ops = list(default_ops(world_size))
+    else:
+        ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    check(ops, args.datatype, world_size)
     if args.iters < 1 or args.warmup_iters < 0:
         raise ValueError(f"-n {args.iters}, -w {args.warmup_iters}: need at least one timed "
                          "run and no negative warm-up")
@@ -329,7 +351,7 @@ def pool_main(argv: Sequence[str] | None = None) -> int:
                         help="how many ranks to start (default 2)")
     args = parser.parse_args(argv)
     try:
-        kwargs = options(args)
+        kwargs = options(args, args.ranks)
         with Pool(args.ranks, backend=args.backend, quiet=True, timeout=600) as pool:
             results = pool.run(sweep, **kwargs)[0]
             stamp = pool.run(machine, ranks=0)[0]
@@ -346,8 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = _parser("python -m ddplab.bench").parse_args(argv)
     try:
-        kwargs = options(args)
         found = launch.detect()
+        kwargs = options(args, found.world_size)
         launch.init_process_group(found, args.backend)
     except (ValueError, launch.LaunchError) as error:
         print(f"ddplab.bench: {error}", file=sys.stderr)

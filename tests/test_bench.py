@@ -93,6 +93,7 @@ def test_ddplab_bench_sweeps_on_a_pool_and_saves_the_plot(tmp_path):
     (["--ops", "all_reduse"], "collectives ['all_reduse']: choose from"),
     (["-e", "64Q"], "'64Q' is not a size"),
     (["--ranks", "0"], "world_size must be at least 1"),
+    (["--ranks", "1", "--ops", "send_recv"], "send_recv needs 2 ranks or more"),
 ])
 def test_ddplab_bench_refuses_bad_options_saying_why(args, message, capsys):
     # in this process: `ddplab bench` is this function (the command above runs it for real)
@@ -100,6 +101,12 @@ def test_ddplab_bench_refuses_bad_options_saying_why(args, message, capsys):
         assert bench.pool_main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_one_rank_sweeps_every_collective_but_send_recv_which_has_no_peer():
+    """One GPU means one rank: its ring would send to itself (gloo refuses; nothing to time)."""
+    assert bench.default_ops(1) == tuple(op for op in bench.OPS if op != "send_recv")
+    assert bench.default_ops(2) == bench.OPS
 
 
 def test_ddplab_bench_help_lists_nccl_tests_options(capsys):
