@@ -159,6 +159,29 @@ def test_warnings_raised_on_the_ranks_name_the_cell(kernel):
     assert "ipykernel" not in reply.stderr
 
 
+def test_errors_and_hangs_in_code_defined_in_cells_name_the_cell(kernel):
+    """Sent by value (cloudpickle >= 3.1.3 renames its code "<dynamic-code>"), a cell's
+    functions, lambdas and methods still fail and hang at "Cell In[N]" and its lines."""
+    defined = kernel.run("class Net:\n    def forward(self):\n"
+                         "        raise ValueError('in forward')\n\n"
+                         "def waits():\n    if dist.get_rank() == 0:\n"
+                         "        dist.recv(torch.zeros(1), src=1)")
+    assert defined.error is None, defined.error
+    cell = kernel.value("get_ipython().execution_count") - 1 - 1
+    method = kernel.run("pool.run(Net().forward, ranks=[0])").error["evalue"]
+    assert (f'File "Cell In[{cell}]", line 3, in forward\n'
+            "    raise ValueError('in forward')") in method, method
+    lam = kernel.run("pool.run(lambda: {}['key'], ranks=[1])").error["evalue"]
+    number = kernel.value("get_ipython().execution_count") - 1 - 1
+    assert f'File "Cell In[{number}]", line 1, in <lambda>\n    pool.run(lambda' in lam, lam
+    hang = kernel.run("pool.run(waits, timeout=2)").error
+    assert hang["ename"] == "RankTimeout"
+    assert (f'File "Cell In[{cell}]", line 7, in waits\n'
+            "    dist.recv(torch.zeros(1), src=1)") in hang["evalue"], hang["evalue"]
+    assert "<dynamic-code>" not in method + lam + hang["evalue"]
+    assert kernel.value("pool.run(lambda: 3)") == [3, 3]
+
+
 @pytest.mark.slow
 def test_re_running_a_pool_cell_all_day_keeps_no_descriptor():
     k = Kernel()
