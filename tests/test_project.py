@@ -173,3 +173,23 @@ def test_every_link_from_a_chapter_to_the_docs_lands_on_an_anchor_that_exists() 
                 links += 1
                 assert anchor in anchors.get(page, set()), (notebook.name, page, anchor)
     assert links >= 13  # every chapter but a few links at least one term
+
+
+def test_python_m_ddplab_is_the_ddplab_command() -> None:
+    """`python -m ddplab` is for where the script is not on the PATH (a checkout used
+    through PYTHONPATH, as on a GPU machine): it must print what `ddplab` prints, under the
+    name `ddplab`, and import no torch before a subcommand needs it."""
+    script = Path(sys.executable).with_name("ddplab")
+    if not script.exists():
+        pytest.skip(f"ddplab is not installed next to {sys.executable}")
+    as_module = subprocess.run([sys.executable, "-m", "ddplab", "--help"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+    as_script = subprocess.run([script, "--help"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=60)
+    assert as_module.returncode == as_script.returncode == 0, as_module.stderr
+    assert as_module.stdout == as_script.stdout
+    assert as_module.stdout.startswith("usage: ddplab ")
+    light = subprocess.run([sys.executable, "-c", "import sys, ddplab.__main__; "
+                            "print('torch' in sys.modules)"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert light.stdout.strip() == "False", light.stderr
