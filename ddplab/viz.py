@@ -26,6 +26,7 @@ fixed by the content (cells are about 0.45 inch), so pictures look the same ever
 from __future__ import annotations
 
 import io
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -1114,6 +1115,19 @@ def _bytes_text(nbytes: int) -> str:
     return f"{nbytes / 1e3:.0f} kB" if nbytes >= 1e3 else f"{nbytes} B"
 
 
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _note_length(note: str) -> int:
+    """A bar's note's length in characters, each number in it counted as four.
+
+    A note usually carries a measured number (`12× the tensor's time`), whose digits vary
+    from run to run and machine to machine; the picture's size must not (a notebook keeps
+    it in the figure's text form, which nbval compares).
+    """
+    return len(_NUMBER.sub("0000", note))
+
+
 def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
               notes: Sequence[str] | None = None, colors: Sequence[str | None] | None = None,
               title: str | None = None) -> Figure:
@@ -1132,7 +1146,7 @@ def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
     row, left = 0.42, max(len(label) for label, _ in values) * 0.085 + 0.4
     length = 6.0
     top = 0.2 + (0.35 if title else 0)
-    longest_note = max((len(n) for n in notes), default=0)
+    longest_note = max((_note_length(n) for n in notes), default=0)
     width = max(left + length + 1.4 + longest_note * 0.075, _title_width(title))
     height = top + row * len(values) + 0.2
     canvas = _Canvas(width, height, CELL, title)
