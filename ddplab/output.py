@@ -19,6 +19,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from ddplab import ipython
 from ddplab.protocol import MARK_HEAD as _MARK_HEAD
 from ddplab.protocol import MARK_TAIL as _MARK_TAIL
 from ddplab.tracebacks import display_path
@@ -51,9 +52,18 @@ _C10_LOG = re.compile(r"^(?:\[rank\d+\]:)?\[([DIWEF])\d{4} [\d:.]+ (?:\d+ )?([^\
                       re.MULTILINE)
 
 
+def _dump_path(filename: str) -> str:
+    """A file of a crash dump, named as tracebacks name it: "Cell In[4]" for a cell.
+
+    faulthandler prints a code object's own file name: for a function defined in a cell,
+    the kernel's file of that cell (kept by `pickling` when the function is sent).
+    """
+    return ipython.cell_names().get(filename) or display_path(filename)
+
+
 def _tidy(text: str) -> str:
     text = _C10_LOG.sub(r"[\1 \2] ", text)
-    return _DUMP_FRAME.sub(lambda m: m[1] + display_path(m[2]) + m[3], text)
+    return _DUMP_FRAME.sub(lambda m: m[1] + _dump_path(m[2]) + m[3], text)
 
 
 def _rank_order(stream: _Stream) -> tuple[int, int]:

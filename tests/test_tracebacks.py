@@ -60,6 +60,10 @@ def blocks():
 
 def warns():
     warnings.warn("mind the cell", UserWarning)
+
+def crashes():
+    import ctypes
+    ctypes.string_at(0)
 '''
 
 
@@ -195,3 +199,14 @@ def test_a_hang_report_names_the_cell(pool, cell):
     assert (f'  File "{CELL_NAME}", line {line}, in blocks\n'
             "    threading.Event().wait(60)") in str(info.value), str(info.value)
     assert pool.run(len, "ok") == [2, 2]  # rebuilt
+
+
+@pytest.mark.slow
+def test_a_crash_dump_names_the_cell(pool, cell, capfd):
+    """faulthandler prints the code's own file name: the kernel shows it as the cell's."""
+    pool.error_grace = 0.5
+    with pytest.raises(RankError, match="SIGSEGV"):
+        pool.run(cell["crashes"], ranks=[0])
+    err = capfd.readouterr().err
+    assert f'File "{CELL_NAME}", line {line_of("ctypes.string_at(0)")} in crashes' in err, err
+    assert CELL_FILE not in err and "<dynamic-code>" not in err
