@@ -4,9 +4,10 @@ Functions, lambdas and classes defined in cells cannot be imported on the ranks,
 cloudpickle sends them by value: their code objects travel inside the pickle. A code
 object's file name (`co_filename`) is what tracebacks, hang reports and warnings name
 ("Cell In[4], line 5") and look up the source line with. Since cloudpickle 3.1.3 it is
-rewritten to "<dynamic-code>" on every code object pickled by value (to make its payloads
-deterministic), and a rank's traceback then says `File "<dynamic-code>", line 5` with no
-source line; up to 3.1.2 the name was kept.
+rewritten to "<dynamic-code>" on every code object pickled by value, so that a cell's
+payload is the same in every kernel session (cloudpipe/cloudpickle#538 and #560), and a
+rank's traceback then says `File "<dynamic-code>", line 5` with no source line; up to
+3.1.2 the name was kept.
 
 The kit does not depend on either behaviour: `Pickler` carries each function's file name
 beside it and gives it back to the function's code, and to the code nested in it (inner
