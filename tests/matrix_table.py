@@ -65,7 +65,7 @@ def main(venvs: list[str]) -> int:
                      *(str(result[k]) for k in ("passed", "failed", "skipped"))])
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for line in [header, ["-" * w for w in widths], *rows]:
-        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |")
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
     return 0 if ok else 1
 
 
