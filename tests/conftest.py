@@ -16,11 +16,14 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from ddplab import slurm as local_slurm
 from ddplab.launch import free_port
+
+if TYPE_CHECKING:
+    from ddplab.slurm import LocalSlurm
 
 TOKEN = "ddplab-test"
 
@@ -87,8 +90,17 @@ def start_lab(tmp_path: Path):
     return lambda cwd: _running_lab(cwd, tmp_path)
 
 
+def _local_slurm():
+    """ddplab.slurm, imported only where Slurm is needed: it imports psutil, which a GPU
+    machine running tests/gpu alone (the working tree and torch, nothing installed) may
+    not have."""
+    from ddplab import slurm
+
+    return slurm
+
+
 @pytest.fixture(scope="session")
-def slurm() -> Iterator[local_slurm.LocalSlurm]:
+def slurm() -> Iterator[LocalSlurm]:
     """A one-node Slurm cluster (slurmctld + slurmd) for the whole session, in a private
     temporary directory that goes with it; stopped at the end, whatever the tests did.
 
@@ -96,6 +108,7 @@ def slurm() -> Iterator[local_slurm.LocalSlurm]:
     DDPLAB_REQUIRE_LAUNCHERS set (CI), they fail instead. Use `cluster` in a test: it
     cancels the jobs the test left behind.
     """
+    local_slurm = _local_slurm()
     reason = local_slurm.missing()
     if reason:
         if os.environ.get("DDPLAB_REQUIRE_LAUNCHERS"):
@@ -107,7 +120,7 @@ def slurm() -> Iterator[local_slurm.LocalSlurm]:
 
 
 @pytest.fixture
-def cluster(slurm: local_slurm.LocalSlurm) -> Iterator[local_slurm.LocalSlurm]:
+def cluster(slurm: LocalSlurm) -> Iterator[LocalSlurm]:
     """The session's Slurm cluster, with every job the test left (queued or running)
     cancelled when it ends, so that no test inherits another's jobs."""
     try:
@@ -129,11 +142,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.notebook)
-    missing = local_slurm.missing() or (None if shutil.which("mpirun") else
-                                        "OpenMPI's mpirun is not installed here. On Debian "
-                                        "or Ubuntu: sudo apt-get install openmpi-bin")
+    needing = [item for item in items if Path(str(item.fspath)).name in NEEDS_LAUNCHERS]
+    if not needing:
+        return
+    no_mpirun = None if shutil.which("mpirun") else (
+        "OpenMPI's mpirun is not installed here. On Debian or Ubuntu: sudo apt-get install "
+        "openmpi-bin")
+    missing = _local_slurm().missing() or no_mpirun
     if not missing or os.environ.get("DDPLAB_REQUIRE_LAUNCHERS"):
         return
-    for item in items:
-        if Path(str(item.fspath)).name in NEEDS_LAUNCHERS:
-            item.add_marker(pytest.mark.skip(reason=missing))
+    for item in needing:
+        item.add_marker(pytest.mark.skip(reason=missing))
