@@ -14,7 +14,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 
-from ddplab.exercises import exercise, expect, ranks, run_in_time, show, watching
+from ddplab.exercises import LOAD_TIMEOUT, exercise, expect, ranks, run_in_time, show, watching
 
 DEADLINE = 5.0
 """Seconds an attempt may take on the ranks: a correct ring takes milliseconds."""
@@ -224,6 +224,15 @@ HOOK_CAP_MB = 0.5
 """Buckets of 0.5 MiB: 8.4's model makes four, so a hook that only works for one fails."""
 
 
+def _first_ddp() -> None:
+    """Runs on each rank before the attempt: the rank's first DDP model, whose construction
+    imports torch._dynamo, seconds of work per process (tens on a loaded machine) that must
+    not count against the attempt's deadline."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    DDP(_model("mlp"), bucket_cap_mb=HOOK_CAP_MB)
+
+
 def hooked_gradients(hook: Callable, iterations: int = 3) -> dict:
     """On a rank: the same model's gradients with the learner's hook and with DDP's own
     all-reduce, on the same batches. Returns, per iteration, (their largest difference, the
@@ -275,6 +284,7 @@ def check_hook(averaging_hook: Callable) -> str:
            "and looks up the parameter named `bucket` (to check its type annotation).",
            "name them as DDP does: def averaging_hook(state, bucket).")
     with ranks(2) as pool:
+        pool.run(_first_ddp, timeout=LOAD_TIMEOUT)
         got = run_in_time(pool, hooked_gradients, averaging_hook, deadline=30.0,
                           meaning="DDP waits in backward() for the future your hook returns.",
                           hint="return the future of an async all_reduce (or a `.then` of "
