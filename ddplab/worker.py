@@ -108,15 +108,26 @@ def _answer_control(ctl: Connection) -> None:
 
 
 def _flight_record() -> bytes | None:
-    """This process's flight recorder dump (see flight.py), taken while a call may hang."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
-    except ImportError:  # a torch without the recorder
-        return None
-    try:
-        return _dump_fr_trace_json()
-    except Exception:
-        return None
+    """This process's flight recorder dump (see flight.py), taken while a call may hang.
+
+    NCCL keeps a recorder of its own (`_dump_nccl_trace_json`, in torch 2.11 and 2.13's
+    CUDA builds); gloo writes to the generic one (`_dump_fr_trace_json`), which on an NCCL
+    group holds nothing. So an NCCL rank asks NCCL's first.
+    """
+    from torch._C import _distributed_c10d as c10d
+
+    names = ["_dump_fr_trace_json"]
+    if _spec.get("backend") == "nccl":
+        names.insert(0, "_dump_nccl_trace_json")
+    for name in names:
+        dump = getattr(c10d, name, None)  # None: a torch without that recorder
+        if dump is None:
+            continue
+        try:
+            return dump()
+        except Exception:
+            continue
+    return None
 
 
 def _fresh_main_module() -> None:
@@ -211,8 +222,14 @@ class _ResultPickler(pickling.Pickler):
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            return torch.Tensor.cpu, (obj.detach(),)
+            # The copy is made here, on the rank: handing pickle the GPU tensor itself
+            # would bring it back to this method, again and again.
+            return _identity, (obj.detach().cpu(),)
         return super().reducer_override(obj)
+
+
+def _identity(obj):
+    return obj
 
 
 def _dumps(obj) -> bytes:
