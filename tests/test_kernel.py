@@ -30,6 +30,7 @@ class Reply:
     results: list[str] = field(default_factory=list)
     mimetypes: list[str] = field(default_factory=list)
     error: dict | None = None
+    number: int | None = None  # the cell's N in "In [N]", "Cell In[N]"
 
 
 class Kernel:
@@ -61,6 +62,8 @@ class Kernel:
                 reply.mimetypes += sorted(content["data"])
             elif kind == "error":
                 reply.error = content
+            elif kind == "execute_input":  # the protocol's own count: IPython's In [N]
+                reply.number = content["execution_count"]
             elif kind == "status" and content["execution_state"] == "idle":
                 return reply
 
@@ -120,8 +123,7 @@ def test_errors_show_every_rank_with_the_cells_own_names_and_lines(kernel):
     assert err["ename"] == "RankError"
     shown = "\n".join(err["traceback"])
     assert "rank 1 raised KeyError: 'missing'  <- root cause" in shown
-    number = kernel.value("get_ipython().execution_count") - 1 - 1
-    assert f'File "Cell In[{number}]", line 4, in <module>' in shown
+    assert f'File "Cell In[{reply.number}]", line 4, in <module>' in shown
     assert "raise KeyError('missing')" in shown
     assert "/ddplab/" not in shown and str(REPO) not in shown  # no kernel-side frames
     assert kernel.value("pool.run(lambda: 1)") == [1, 1]
@@ -143,7 +145,8 @@ def test_a_hang_in_a_cell_reports_the_cell_line(kernel):
     err = reply.error
     assert err["ename"] == "RankTimeout"
     assert "rank 0: waiting in recv() of torch/distributed/distributed_c10d.py" in err["evalue"]
-    assert "line 4, in <module>\n    dist.recv(t, src=1)" in err["evalue"]
+    assert (f'File "Cell In[{reply.number}]", line 4, in <module>\n'
+            "    dist.recv(t, src=1)") in err["evalue"]
     assert kernel.value("pool.run(lambda: 2)") == [2, 2]
 
 
@@ -152,8 +155,7 @@ def test_warnings_raised_on_the_ranks_name_the_cell(kernel):
     reply = kernel.run("def old_style():\n    import torch.distributed as dist\n\n"
                        "    return str(dist.reduce_op.SUM)\npool.run(old_style, ranks=[0])")
     assert reply.error is None, reply.error
-    number = kernel.value("get_ipython().execution_count") - 1 - 1
-    assert reply.stderr.startswith(f"[rank 0]\nCell In[{number}], line 4: FutureWarning: "
+    assert reply.stderr.startswith(f"[rank 0]\nCell In[{reply.number}], line 4: FutureWarning: "
                                    "`torch.distributed.reduce_op` is deprecated"), reply.stderr
     assert "\n  return str(dist.reduce_op.SUM)\n" in reply.stderr
     assert "ipykernel" not in reply.stderr
@@ -167,13 +169,14 @@ def test_errors_and_hangs_in_code_defined_in_cells_name_the_cell(kernel):
                          "def waits():\n    if dist.get_rank() == 0:\n"
                          "        dist.recv(torch.zeros(1), src=1)")
     assert defined.error is None, defined.error
-    cell = kernel.value("get_ipython().execution_count") - 1 - 1
+    cell = defined.number
     method = kernel.run("pool.run(Net().forward, ranks=[0])").error["evalue"]
     assert (f'File "Cell In[{cell}]", line 3, in forward\n'
             "    raise ValueError('in forward')") in method, method
-    lam = kernel.run("pool.run(lambda: {}['key'], ranks=[1])").error["evalue"]
-    number = kernel.value("get_ipython().execution_count") - 1 - 1
-    assert f'File "Cell In[{number}]", line 1, in <lambda>\n    pool.run(lambda' in lam, lam
+    run_lambda = kernel.run("pool.run(lambda: {}['key'], ranks=[1])")
+    lam = run_lambda.error["evalue"]
+    assert f'File "Cell In[{run_lambda.number}]", line 1, in <lambda>\n    pool.run(lambda' \
+        in lam, lam
     hang = kernel.run("pool.run(waits, timeout=2)").error
     assert hang["ename"] == "RankTimeout"
     assert (f'File "Cell In[{cell}]", line 7, in waits\n'
