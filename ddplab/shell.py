@@ -61,8 +61,13 @@ class Shell:
         self.cwd = Path(cwd).resolve()
         self.runs = Path(tempfile.mkdtemp(prefix="ddplab-runs-"))
         bindir = str(Path(sys.executable).parent)  # python, torchrun: this environment's
-        self.env = {**os.environ, **(env or {}), "RUNS": str(self.runs),
-                    "TMPDIR": str(self.runs), "PYTHONUNBUFFERED": "1",
+        # A cell is no terminal: no colour codes in what the commands print. ipykernel sets
+        # FORCE_COLOR and CLICOLOR_FORCE for its own output, and Python 3.13 colours its
+        # tracebacks under FORCE_COLOR; NO_COLOR wins over it.
+        inherited = {name: value for name, value in os.environ.items()
+                     if name not in ("FORCE_COLOR", "CLICOLOR_FORCE")}
+        self.env = {**inherited, **(env or {}), "RUNS": str(self.runs),
+                    "TMPDIR": str(self.runs), "PYTHONUNBUFFERED": "1", "NO_COLOR": "1",
                     "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
         self._shown = {str(self.runs): "$RUNS",
                        sysconfig.get_paths()["purelib"]: "site-packages",

@@ -3,7 +3,9 @@ and in test_launchers.py)."""
 
 from __future__ import annotations
 
-from ddplab.shell import EXIT_BARRIER_NOTE, fold_exit_barrier_race
+import sys
+
+from ddplab.shell import EXIT_BARRIER_NOTE, Shell, fold_exit_barrier_race
 
 # Node rank 1's stderr when the master's agent got through torchrun's exit barrier first
 # and took its store with it (seen in CI, 2026-11-23; C++ frames shortened).
@@ -48,3 +50,16 @@ def test_output_without_the_race_is_left_as_it_is():
     # The store's side alone, with no exit barrier in sight, may be a real failure.
     store_only = RACE.split("\n\n")[0] + "\n"
     assert fold_exit_barrier_race(store_only) == store_only
+
+
+def test_commands_print_no_colours_even_where_the_kernel_forces_them(monkeypatch):
+    # ipykernel sets FORCE_COLOR, and Python 3.13 then colours a traceback's lines: the
+    # chapters' commands must print plain text (nbval compares it; a cell filters lines)
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("CLICOLOR_FORCE", "1")
+    with Shell() as sh:
+        done = sh(f"{sys.executable} -c 'import os; print(sorted(k for k in os.environ "
+                  "if \"COLOR\" in k)); raise KeyError(1)'", check=False, show=False)
+    assert done.stdout == "['NO_COLOR']\n"
+    assert done.stderr.splitlines()[-1] == "KeyError: 1"
+    assert "\x1b[" not in done.stderr
