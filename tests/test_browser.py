@@ -97,6 +97,20 @@ def _click_menu(driver, *labels: str) -> None:
              if e.text == label), None)).click()
 
 
+def _accept_kernel_choice(driver) -> None:
+    """Take the preferred kernel when JupyterLab asks which kernel to start.
+
+    Under Python 3.10 (ipykernel 7.3, IPython 8) the lab opened the notebook before it had
+    listed the kernels, and showed its "Select Kernel" dialog with the notebook's own
+    kernel already chosen; a learner clicks Select, and so does this.
+    """
+    for dialog in driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog"):
+        if dialog.text.startswith("Select Kernel"):
+            dialog.find_element(By.CSS_SELECTOR, ".jp-Dialog-button.jp-mod-accept").click()
+            WebDriverWait(driver, 10).until(
+                lambda d: not d.find_elements(By.CSS_SELECTOR, ".jp-Dialog"))
+
+
 def _run_all_cells(driver) -> None:
     """Run All Cells from the menu, again if the lab was not ready to take it yet.
 
@@ -108,6 +122,7 @@ def _run_all_cells(driver) -> None:
         return any(p.text.strip() in ("[*]:", "[1]:") for p in prompts)
 
     for _ in range(6):
+        _accept_kernel_choice(driver)
         driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)  # close any menu
         _click_menu(driver, "Run", "Run All Cells")
         try:
