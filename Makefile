@@ -45,9 +45,13 @@ help: ## list the targets
 
 setup: $(STAMP) ## create the venv from the lock (instant once done)
 
-$(STAMP): $(LOCK) pyproject.toml
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	test -x $(UV) || $(VENV)/bin/python -m pip install --quiet --target $(VENV)/uv "uv==$(UV_VERSION)"
+# A venv with uv bootstrapped into it (pinned) by the venv's own pip: setup's and
+# test-latest's, one recipe.
+%/uv/bin/uv:
+	test -x $*/bin/python || $(PYTHON) -m venv $*
+	$*/bin/python -m pip install --quiet --target $*/uv "uv==$(UV_VERSION)"
+
+$(STAMP): $(LOCK) pyproject.toml | $(UV)
 ifeq ($(strip $(TORCH_INDEX)),)
 	$(UV_PIP) sync --python $(VENV)/bin/python --require-hashes $(LOCK)
 else
@@ -80,9 +84,7 @@ lock: setup ## refresh requirements.lock: the newest releases (torch as TORCH sa
 	    --python-version 3.10 --generate-hashes --upgrade --quiet \
 	    --custom-compile-command "make lock" --output-file $(LOCK)
 
-test-latest: ## the whole suite in .venvs/latest, on the newest release of everything, torch included
-	test -x .venvs/latest/bin/python || $(PYTHON) -m venv .venvs/latest
-	test -x .venvs/latest/uv/bin/uv || .venvs/latest/bin/python -m pip install --quiet --target .venvs/latest/uv "uv==$(UV_VERSION)"
+test-latest: .venvs/latest/uv/bin/uv ## the whole suite in .venvs/latest, on the newest release of everything, torch included
 	.venvs/latest/uv/bin/uv pip install --quiet --python .venvs/latest/bin/python --upgrade --reinstall-package ddplab -e ".[test]"
 	.venvs/latest/bin/pip list --format=freeze 2>/dev/null | grep -iE '^(torch|cloudpickle|ipython|ipykernel|jupyterlab|matplotlib|numpy|nbval|pytest)=='
 	.venvs/latest/bin/ruff check .
