@@ -33,6 +33,11 @@ CUDA_ONLY   := ^(torch|triton|nvidia-[a-z0-9-]+|cuda-[a-z]+)==
 
 # Use the venv's Jupyter kernels and config before any in the user's home.
 export JUPYTER_PREFER_ENV_PATH = 1
+# Compile every installed module to bytecode once, at setup, as pip does and uv does not by
+# default. Without it each process compiles torch's Python sources again on import wherever
+# caches cannot be written (PYTHONDONTWRITEBYTECODE, a read-only venv): `import torch` then
+# costs about 2.8 s of CPU instead of 1.5 s, paid by every kernel, rank server and launcher.
+export UV_COMPILE_BYTECODE = 1
 
 STAMP := $(VENV)/.ddplab-setup
 
