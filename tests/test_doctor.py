@@ -295,8 +295,10 @@ def test_ddplab_doctor_refuses_an_unknown_backend(capsys):
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"),
                     reason="the crash is known in torch 2.13; other releases may differ")
 @pytest.mark.slow
-def test_the_ddp_crash_under_detail_is_probed_live_and_reported(capsys):
-    (check,) = doctor.probe_switches()
+def test_the_ddp_crash_under_detail_is_probed_live_and_reported(full):
+    """The full report's own probe of the switches (a pool of its own, seconds of work)."""
+    found, _, printed, _ = full
+    (check,) = found.switches
     assert not check.works and "SIGSEGV" in check.detail
     assert str(check).startswith("✗ TORCH_DISTRIBUTED_DEBUG=DETAIL, DistributedDataParallel")
-    assert capsys.readouterr().err == ""  # the probe's pool is quiet: no note, no dump
+    assert printed == ""  # the probe's pool is quiet: no note, no dump
