@@ -343,8 +343,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def pool_main(argv: Sequence[str] | None = None) -> int:
     """`ddplab bench`: start a pool of --ranks ranks, sweep on it, print the table."""
-    from ddplab.errors import RankError
-    from ddplab.pool import Pool
+    from ddplab.pool import Pool, RankError
 
     parser = _parser("ddplab bench")
     parser.add_argument("--ranks", type=int, default=2, metavar="N",

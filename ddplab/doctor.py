@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddplab.errors import PoolValueError, RankError, RankTimeout
+from ddplab.pool.errors import PoolValueError, RankError, RankTimeout
 from ddplab.probes import OPS, Op
 
 # --- the environment ---------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def _columns(backends: Iterable[str] | None) -> list[Column]:
 
 def _why_not(column: Column) -> str | None:
     """Why this column cannot be probed on this machine, or None if it can be tried."""
-    from ddplab.pool import BACKENDS as POOL_BACKENDS
+    from ddplab.pool.kernel.pool import BACKENDS as POOL_BACKENDS
 
     if column.device == "cuda" and not torch.cuda.is_available():
         # One reason for CPU-only builds and GPU-less machines alike, so that the matrix

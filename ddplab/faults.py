@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddplab.errors import RankError, RankFailure, Stuck
+from ddplab.pool.errors import RankError, RankFailure, Stuck
 
 FAULTS: dict[str, str] = {
     "skip": "skips the all_reduce",

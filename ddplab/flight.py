@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ddplab.errors import ranks_text
+from ddplab.pool.errors import ranks_text
 
 Dump = dict | str | bytes
 """A rank's dump: torch's JSON text, or that text already parsed."""

@@ -26,8 +26,7 @@ import torch
 
 from ddplab import collectives, ring
 from ddplab.collectives import COLLECTIVES, REDUCE_OPS, REDUCING, ROOTED, VALUES, Spec
-from ddplab.errors import RankError
-from ddplab.pool import Pool
+from ddplab.pool import Pool, RankError
 from ddplab.viz import png_bytes, screen_size, show_transfers
 
 TIMEOUT = 10.0  # seconds: a collective on a few values takes milliseconds

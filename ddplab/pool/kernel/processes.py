@@ -1,13 +1,14 @@
 """The rank processes of one pool: forked with their channels, killed, and given back.
 
 This module owns every operating-system resource a pool holds: the processes (forked by
-the forkserver), each rank's four channels (see `protocol.py`), the selector that watches
-them, the private folder of a file:// rendezvous, and the forkserver's record of the
+the forkserver), each rank's four channels (see `ddplab.pool.protocol`), the selector that
+watches them, the private folder of a file:// rendezvous, and the forkserver's record of the
 ranks' exits. All of it is given back in one place, `release()`, which also runs when a
 learner drops a pool without `shutdown()` (re-running `pool = Pool(4)`), so a notebook
 re-run all day long keeps no descriptor, process or file of its old pools.
 
-What runs on the processes (the call loop) is `calls.py`; the public API is `pool.py`.
+What runs on the processes (the call loop) is `calls.py`; the public API is `pool.py`; what
+runs inside them is `ddplab.pool.rank`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from ddplab import forkserver, launch
-from ddplab.output import OutputRouter
+from ddplab import launch
+from ddplab.pool.kernel import forkserver
+from ddplab.pool.kernel.output import OutputRouter
 
 
 @dataclass

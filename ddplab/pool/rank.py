@@ -1,10 +1,11 @@
-"""What runs inside each rank: a small loop that executes whatever the notebook sends.
+"""The pool's rank side: what runs inside each rank, a small loop that executes whatever
+the notebook sends.
 
-A rank is forked from the forkserver (see forkserver.py) with four channels from the
-kernel: a command socket (calls in, results out), a control socket (answered by a thread,
-so the kernel can ask "where are you stuck?" while the main thread is blocked in a
-collective), and its stdout and stderr, which are pipes read by the kernel. Output is
-captured at the file-descriptor level, so C++ warnings from gloo/NCCL and a raw
+A rank is forked from the forkserver (see `ddplab.pool.kernel.forkserver`) with four
+channels from the kernel: a command socket (calls in, results out), a control socket
+(answered by a thread, so the kernel can ask "where are you stuck?" while the main thread
+is blocked in a collective), and its stdout and stderr, which are pipes read by the kernel.
+Output is captured at the file-descriptor level, so C++ warnings from gloo/NCCL and a raw
 `os.write(1, ...)` reach the notebook too.
 
 After each call the rank writes an end-of-call marker into both pipes before replying.
@@ -14,6 +15,11 @@ rank printed is shown in the cell that ran the code, and never in the next one.
 Everything the notebook sends is a function call: `%%ranks` cells, `push` and `pull` are
 calls to the small functions at the bottom of this file, which work on the rank's
 persistent namespace. The messages themselves are spelled out in `protocol.py`.
+
+This module imports nothing of the kernel side (`ddplab.pool.kernel`) or of the IPython
+side (`ddplab.pool.ipython`): only what both sides share (protocol, pickling, errors,
+tracebacks). The forkserver imports it before it forks, so it must not initialise CUDA or
+start threads when imported.
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from ddplab import launch, pickling, protocol, tracebacks
-from ddplab.errors import RankFailure
+from ddplab import launch
+from ddplab.pool import pickling, protocol, tracebacks
+from ddplab.pool.errors import RankFailure
 
 namespace: dict = {}
 """The rank's persistent namespace: `%%ranks` cells run in it, push/pull use it."""
@@ -108,7 +115,7 @@ def _answer_control(ctl: Connection) -> None:
 
 
 def _flight_record() -> bytes | None:
-    """This process's flight recorder dump (see flight.py), taken while a call may hang.
+    """This process's flight recorder dump (see `ddplab.flight`), taken while a call may hang.
 
     NCCL keeps a recorder of its own (`_dump_nccl_trace_json`, in torch 2.11 and 2.13's
     CUDA builds); gloo writes to the generic one (`_dump_fr_trace_json`), which on an NCCL
