@@ -22,7 +22,7 @@ from collections import defaultdict
 import numpy as np
 from matplotlib.figure import Figure
 
-from ddplab.viz import FONT, _readable, line_color, png_bytes, rank_color, screen_size
+from ddplab.viz import FONT, line_color, png_bytes, rank_color, screen_size, text_color
 
 
 class LossCurves:
@@ -80,7 +80,7 @@ class LossCurves:
         lines += [f"{e['epoch']:>5}  {e['loss']:.4f}  {e['test_accuracy']:.2%}"
                   for e in self.epochs]
         fig.text(0.74, 0.88, "\n".join(lines), va="top", ha="left", family="monospace",
-                 fontsize=FONT - 1, color=_readable("#555555"))
+                 fontsize=FONT - 1, color=text_color("#555555"))
 
     def finish(self) -> None:
         """Draw the complete picture once more, whatever the timing, in the same place."""

@@ -49,9 +49,9 @@ class Result:
         return collectives.describe(self.before, self.after)
 
     def _repr_png_(self):  # a cell ending with a Result shows its picture above the text
-        from ddplab.viz import _png_for_notebook
+        from ddplab.viz.png import png_for_notebook
 
-        return _png_for_notebook(self.figure)
+        return png_for_notebook(self.figure)
 
 
 class CollectiveExplorer(widgets.VBox):

@@ -16,6 +16,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from ddplab import viz
+from ddplab.viz import palette
 
 
 @pytest.fixture(autouse=True)
@@ -113,14 +114,14 @@ def test_transfers_draw_an_arrow_per_message_in_the_senders_colour():
 
 
 def contrast(rgb) -> float:
-    return 1.05 / (viz._luminance(np.array(rgb)) + 0.05)
+    return 1.05 / (palette._luminance(np.array(rgb)) + 0.05)
 
 
 def test_every_rank_colour_reads_on_white_as_text_and_as_a_line():
     # Rank 3's yellow stood 1.3:1 on white; WCAG asks 4.5:1 for text, 3:1 for lines.
     assert contrast(to_rgb(viz.rank_color(3))) < 1.5
     for r in range(12):
-        assert contrast(viz._readable(viz.rank_color(r))) >= 4.5
+        assert contrast(viz.text_color(viz.rank_color(r))) >= 4.5
         assert contrast(viz.line_color(viz.rank_color(r))) >= 3.0
     # A colour dark enough already is left as it is.
     assert viz.line_color("#332288") == pytest.approx(to_rgb("#332288"))
