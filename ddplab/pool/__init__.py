@@ -12,7 +12,9 @@ This file is the engine's public face; the folder shows its parts:
 - `rank.py`: the rank side, each rank's loop. It imports nothing of the kernel side.
 - `ipython/`: the IPython side: how IPython names cells, and the `%%ranks` magic.
 - what both sides share: `protocol` (every message), `pickling` (code that travels),
-  `errors` (what a call raises), `tracebacks` (how they read), `timeouts` (one table).
+  `errors` (what a call raises), `tracebacks` (how they read), `timeouts` (one table),
+  and the policies the pool shares with the launchers: `gpus` (one GPU per rank) and
+  `rendezvous` (free ports, each rank's variables). `ddplab.launch` imports those two.
 
 The engine imports nothing of the toolbox around it (`ddplab.launch`, `ddplab.train`, ...).
 

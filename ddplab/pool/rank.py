@@ -18,8 +18,8 @@ persistent namespace. The messages themselves are spelled out in `protocol.py`.
 
 This module imports nothing of the kernel side (`ddplab.pool.kernel`) or of the IPython
 side (`ddplab.pool.ipython`): only what both sides share (protocol, pickling, errors,
-tracebacks). The forkserver imports it before it forks, so it must not initialise CUDA or
-start threads when imported.
+tracebacks, the GPU policy). The forkserver imports it before it forks, so it must not
+initialise CUDA or start threads when imported.
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from ddplab import launch
-from ddplab.pool import pickling, protocol, tracebacks
+from ddplab.pool import gpus, pickling, protocol, tracebacks
 from ddplab.pool.errors import RankFailure
 
 namespace: dict = {}
@@ -190,7 +189,7 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
         sys.modules["numpy"].random.seed()
 
     rank, local_rank = spec["rank"], spec["local_rank"]
-    device = launch.device(launch.detect(), spec["backend"])  # the kit's one GPU policy
+    device = gpus.device(local_rank, spec["world_size"], spec["backend"])  # the one GPU policy
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _fresh_main_module()

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ddplab import flight, launch
-from ddplab.pool import protocol
+from ddplab import flight
+from ddplab.pool import gpus, protocol
 from ddplab.pool.errors import (
     DETAIL_DDP_CRASH,
     PoolClosedError,
@@ -119,8 +119,8 @@ class Pool:
         env = self._check_env(env)
         if backend == "nccl":
             try:
-                launch.check_gpus(world_size, nccl="backend='nccl'", gloo="backend='gloo'")
-            except launch.LaunchError as exc:
+                gpus.check_gpus(world_size, nccl="backend='nccl'", gloo="backend='gloo'")
+            except gpus.GPUError as exc:
                 raise PoolValueError(str(exc)) from None
 
         self.world_size = world_size

@@ -27,9 +27,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from ddplab import launch
 from ddplab.pool.kernel import forkserver
 from ddplab.pool.kernel.output import OutputRouter
+from ddplab.pool.rendezvous import free_port, rank_env
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Processes:
             raise
 
     def _rendezvous(self) -> dict:
-        port = launch.free_port()
+        port = free_port()
         if self.setup.init_method == "tcp":
             return {"port": port, "url": f"tcp://127.0.0.1:{port}"}
         if self.setup.init_method == "file":
@@ -119,7 +119,7 @@ class Processes:
             "backend": setup.backend, "init_method": setup.init_method,
             "init_url": rendezvous["url"], "pg_timeout": setup.pg_timeout,
             "threads": setup.threads, "cwd": os.getcwd(), "sys_path": list(sys.path),
-            "env": launch.pool_rank_env(env, index, setup.world_size, rendezvous["port"]),
+            "env": rank_env(env, index, setup.world_size, rendezvous["port"]),
         }
         cmd, cmd_theirs = socket.socketpair()
         ctl, ctl_theirs = socket.socketpair()
