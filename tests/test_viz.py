@@ -237,9 +237,7 @@ def test_show_sampler_colours_each_index_by_the_ranks_that_get_it():
 
 
 def test_loss_curves_average_the_steps_every_rank_reported():
-    from ddplab.curves import LossCurves
-
-    curves = LossCurves(world_size=2, every=None)  # no notebook here to draw in
+    curves = viz.LossCurves(world_size=2, every=None)  # no notebook here to draw in
     for rank, losses in ((0, [2.0, 1.0, 0.5]), (1, [1.0, 0.5])):
         for step, loss in enumerate(losses, start=1):
             curves.add(rank, {"kind": "step", "rank": rank, "step": step * 10, "loss": loss})

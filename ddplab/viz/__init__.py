@@ -16,7 +16,9 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
 - data (`data`): `show_digits`, `show_sampler`: MNIST digits, and a sampler's split;
 - time (`timeline`): `show_timeline` (with `Span`), `show_flight`: what each rank did when,
   and the collectives its flight recorder kept;
-- bars (`bars`): `show_bars`, `show_buckets`: measured quantities, DDP's buckets by bytes.
+- bars (`bars`): `show_bars`, `show_buckets`: measured quantities, DDP's buckets by bytes;
+- curves (`curves`): `LossCurves`, each rank's training loss and their average, drawn live
+  in the cell while the ranks train.
 
 They all draw with the shared primitives: the palette (`palette`: a colour always means a
 rank), what a cell holds (`cells`), the canvas (`canvas`: inches, panels, arrows, legends)
@@ -33,6 +35,7 @@ from __future__ import annotations
 from ddplab.viz.bars import show_bars, show_buckets
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH
 from ddplab.viz.cells import EMPTY_BUFFER, Owner, as_grid, format_value, owner_grid
+from ddplab.viz.curves import LossCurves
 from ddplab.viz.data import show_digits, show_sampler
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
 from ddplab.viz.png import png_bytes, screen_size
@@ -41,10 +44,10 @@ from ddplab.viz.timeline import Span, show_flight, show_timeline
 from ddplab.viz.topology import show_cluster, show_launch, show_mesh, show_store
 
 __all__ = [
-    "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "Owner", "Span",
-    "as_grid", "format_value", "line_color", "owner_grid", "png_bytes", "rank_color",
-    "screen_size", "show_bars", "show_before_after", "show_buckets", "show_cluster",
-    "show_digits", "show_flight", "show_inbox", "show_launch", "show_mesh", "show_ranks",
-    "show_sampler", "show_steps", "show_store", "show_timeline", "show_transfers", "text_color",
-    "tint",
+    "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
+    "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
+    "rank_color", "screen_size", "show_bars", "show_before_after", "show_buckets",
+    "show_cluster", "show_digits", "show_flight", "show_inbox", "show_launch", "show_mesh",
+    "show_ranks", "show_sampler", "show_steps", "show_store", "show_timeline", "show_transfers",
+    "text_color", "tint",
 ]

@@ -1,5 +1,6 @@
 """Loss curves: each rank's and their average, drawn live in the cell while ranks train.
 
+    from ddplab.viz import LossCurves
     curves = LossCurves(world_size=2)
     pool.run(train, cfg, on_log=emit, on_event=curves.add)   # redrawn as records arrive
     curves.finish()                                          # the final, complete picture
@@ -22,7 +23,9 @@ from collections import defaultdict
 import numpy as np
 from matplotlib.figure import Figure
 
-from ddplab.viz import FONT, line_color, png_bytes, rank_color, screen_size, text_color
+from ddplab.viz.canvas import FONT
+from ddplab.viz.palette import line_color, rank_color, text_color
+from ddplab.viz.png import png_bytes, screen_size
 
 
 class LossCurves:
