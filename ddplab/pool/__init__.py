@@ -8,7 +8,8 @@ This file is the engine's public face; the folder shows its parts:
 
 - `kernel/`: the side that runs in the notebook's kernel: `Pool` (the public API and its
   rebuild policy), one call from start to end, the processes (forks, kills, owns every OS
-  resource), the forkserver, the ranks' output, the room's limits.
+  resource), the forkserver, the ranks' output, the room's limits, the flight recorder
+  dumps read for a hang report.
 - `rank.py`: the rank side, each rank's loop. It imports nothing of the kernel side.
 - `ipython/`: the IPython side: how IPython names cells, and the `%%ranks` magic.
 - what both sides share: `protocol` (every message), `pickling` (code that travels),

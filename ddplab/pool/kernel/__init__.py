@@ -7,6 +7,7 @@
 - `forkserver`: the process, with torch imported, that forks the ranks.
 - `output`: the ranks' stdout and stderr, shown in the cell that ran the code.
 - `limits`: the room's limits an instructor sets (largest pool, threads, call timeout).
+- `flightrecorder`: the ranks' flight recorder dumps, read for a hang report.
 
 The ranks' own side is `ddplab/pool/rank.py`, which imports nothing from here.
 """

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ddplab import flight
 from ddplab.pool import gpus, protocol
 from ddplab.pool.errors import (
     DETAIL_DDP_CRASH,
@@ -33,7 +32,7 @@ from ddplab.pool.errors import (
     RankTimeout,
     ranks_text,
 )
-from ddplab.pool.kernel import calls, limits
+from ddplab.pool.kernel import calls, flightrecorder, limits
 from ddplab.pool.kernel.processes import Processes, Setup
 from ddplab.pool.timeouts import DEFAULT as DEFAULT_TIMEOUTS
 from ddplab.pool.timeouts import Timeouts
@@ -331,7 +330,7 @@ class Pool:
     def _error(self, outcome: calls.Outcome, timeout: float) -> RankError:
         simultaneous = self.timeouts.simultaneous
         try:
-            seen = flight.verdict(outcome.flight)
+            seen = flightrecorder.verdict(outcome.flight)
         except Exception:  # a dump this torch writes differently: the report must still come
             seen = ""
         seen = f"\n{seen[0].upper()}{seen[1:]}" if seen else ""
