@@ -15,7 +15,7 @@ import torch
 from matplotlib.colors import to_rgb
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from ddplab import viz
+from ddplab import flight, viz
 from ddplab.viz import palette
 
 
@@ -262,16 +262,19 @@ def _dump(seqs, last, odd=None):
 
 
 def test_show_flight_draws_a_row_per_collective_and_frames_disagreements():
-    fig = viz.show_flight({0: _dump([1, 2, 3], 3), 1: _dump([1, 2], 2),
-                           2: _dump([1, 2, 3], 3, odd=3)}, title="skip")
+    dumps = {0: _dump([1, 2, 3], 3), 1: _dump([1, 2], 2), 2: _dump([1, 2, 3], 3, odd=3)}
+    fig = viz.show_flight([flight.parse(rank, dump) for rank, dump in dumps.items()],
+                          title="skip")
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert texts[:4] == ["skip", "rank 0", "rank 1", "rank 2"]
     assert texts.count("never issued") == 1
     assert "broadcast [4]" in texts and "#3" in texts
     red = [p for p in fig.axes[0].patches if p.get_edgecolor()[:3] == to_rgb("#C00000")]
     assert len(red) == 1  # only #3, where ranks 0 and 2 disagree, is framed
-    with pytest.raises(ValueError, match="no flight recorder dumps"):
-        viz.show_flight({})
+    with pytest.raises(ValueError, match="no flight recorder records"):
+        viz.show_flight([])
+    with pytest.raises(TypeError, match="records, not their dumps"):
+        viz.show_flight(dumps)
 
 
 def test_show_timeline_lays_out_lanes_and_marks():

@@ -5,11 +5,16 @@ working solid and waiting (in a collective the others have not joined) hatched, 
 events such as an error marked: who was late, who waited, who failed first.
 `show_flight` draws the order the ranks' flight recorders kept, one row per collective
 sequence number, framing the first where the ranks disagree: where they parted ways.
+
+A flight recorder is drawn from records, plain data (a rank, its collectives, the last
+one completed), that `ddplab.flight` reads from torch's dumps: reading dumps is the
+toolbox's business, and the picture language imports neither the pool engine (which takes
+the dumps) nor torch.distributed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,21 +118,24 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
     return canvas.fig
 
 
-def show_flight(dumps: dict, *, last: int = 5, title: str | None = None) -> Figure:
+def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -> Figure:
     """The ranks' flight recorders side by side: who issued which collective, and who stopped.
 
-    `dumps` maps a rank to its flight recorder dump (`RankError.flight`, or a dump taken on
-    the rank; see `ddplab.flight`). One column per rank, one row per collective of the
-    default group (its sequence number on the left), the last `last` of them. A cell is the
-    collective that rank issued under that number, in the rank's colour; a white cell means
-    the rank never issued it. A row where the ranks issued different collectives is framed
-    in red: the first such row is where the bug is. Hatched cells never completed.
+    `records` holds one record per rank, as `ddplab.flight.parse` reads it from the rank's
+    dump (`RankError.flight` maps each rank to its dump): `[flight.parse(rank, dump) for
+    rank, dump in err.flight.items()]`. One column per rank, in rank order, one row per
+    collective of the default group (its sequence number on the left), the last `last` of
+    them. A cell is the collective that rank issued under that number, in the rank's
+    colour; a white cell means the rank never issued it. A row where the ranks issued
+    different collectives is framed in red: the first such row is where the bug is.
+    Hatched cells never completed.
     """
-    from ddplab.flight import parse
-
-    records = [parse(rank, dump) for rank, dump in sorted(dumps.items())]
+    if isinstance(records, Mapping):
+        raise TypeError("show_flight draws the ranks' records, not their dumps: pass "
+                        "[flight.parse(rank, dump) for rank, dump in dumps.items()]")
+    records = sorted(records, key=lambda record: record.rank)
     if not records:
-        raise ValueError("no flight recorder dumps to draw")
+        raise ValueError("no flight recorder records to draw")
     seqs = sorted({e.seq for r in records for e in r.entries})[-last:]
     col, row, left, top = 1.9, 0.5, 0.6, 0.75 + (0.35 if title else 0)
     width = left + col * len(records) + 0.3
