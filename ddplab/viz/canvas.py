@@ -159,10 +159,13 @@ def row_major(handles: list, columns: int) -> list:
 
 
 def cell_size(total_cells: float, gaps: float) -> float:
+    """Inches a cell gets: `CELL`, less where a row of `total_cells` cells and `gaps` inches
+    between panels would pass `MAX_WIDTH`, never under `MIN_CELL`."""
     return min(CELL, max(MIN_CELL, (MAX_WIDTH - gaps) / max(total_cells, 1)))
 
 
 def check_width(panels: list[Panel]) -> None:
+    """Refuse a tensor too long to draw legibly, with what to draw instead."""
     widest = max(panels, key=lambda p: p.width)
     if widest.width * MIN_CELL + 0.6 > MAX_WIDTH:
         raise ValueError(f"rank {widest.rank}'s tensor has {widest.width} values in a row, too "

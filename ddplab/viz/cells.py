@@ -78,6 +78,7 @@ EMPTY_BUFFER = _EMPTY_MARK
 
 
 def as_owner(value) -> Owner:
+    """One cell's owner from what a caller wrote: a rank, some ranks, None or EMPTY_BUFFER."""
     if value is None or value is _EMPTY_MARK:
         return None
     if isinstance(value, (tuple, list, set, frozenset)):
@@ -99,6 +100,8 @@ def _flatten(nested):
 
 @dataclass
 class Panel:
+    """One rank's tensor as the canvas draws it: values, their owners, label and place."""
+
     rank: int
     values: np.ndarray
     owners: list[list[Owner]]
@@ -117,6 +120,7 @@ class Panel:
 
 
 def rank_panels(tensors: Sequence, owners, labels) -> list[Panel]:
+    """One panel per rank: `tensors[r]`, `owners[r]` (see `owner_grid`), `labels[r]`."""
     panels = []
     for rank, tensor in enumerate(tensors):
         values = as_grid(tensor)
