@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddplab.doctor.ops import OPS, Op
 from ddplab.pool.errors import PoolValueError, RankError, RankTimeout
-from ddplab.probes import OPS, Op
 
 # --- the environment ---------------------------------------------------------------------------
 
