@@ -25,6 +25,7 @@ chapter 7's, adds `table`. Kernel side: no torch.
 from __future__ import annotations
 
 from ddplab.pool.kernel.flightrecorder import Dump, Entry, Record, parse, verdict
+from ddplab.tables import format_table
 
 __all__ = ["Dump", "Entry", "Record", "parse", "table", "verdict"]
 
@@ -37,7 +38,4 @@ def table(dumps: dict[int, Dump], last: int = 4) -> str:
     rows = [[str(seq)] + [(r.at(seq).describe().split(" ", 1)[1] if r.at(seq) else "-")
                           for r in records] for seq in seqs]
     rows.append(["done"] + [f"up to #{r.last_completed}" for r in records])
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in [header, *rows]]
-    return "\n".join(lines)
+    return format_table(rows, header=header)

@@ -9,7 +9,8 @@ side. Only probed cells are compared; a "?" in the docs always gets an answer.
 
 from __future__ import annotations
 
-from ddplab.doctor.matrix import FAILS, HUNG, WRONG, Cell, Column, SupportMatrix, table_lines
+from ddplab.doctor.matrix import FAILS, HUNG, WRONG, Cell, Column, SupportMatrix
+from ddplab.tables import format_table
 
 # Quoted verbatim from the "Backends" section of the torch.distributed documentation
 # (https://docs.pytorch.org/docs/stable/distributed.html#backends), as written in its source,
@@ -110,7 +111,8 @@ def beside_docs(matrix: SupportMatrix) -> str:
         for row in op.docs:
             body.append([row, *(_beside(_docs_mark(row, c), matrix[op.name, c]) for c in columns)])
     caption = "Each cell: the documentation's mark, then this machine's (≠ where they disagree)."
-    return "\n".join([caption, "", *table_lines(["operation", *map(str, columns)], body)])
+    header = ["operation", *map(str, columns)]
+    return "\n".join([caption, "", format_table(body, header=header, rule=True)])
 
 
 def _beside(docs: str | None, cell: Cell) -> str:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ddplab.tables import format_table
+
 
 @dataclass(repr=False)
 class Environment:
@@ -62,9 +64,7 @@ class Environment:
         ]
 
     def __str__(self) -> str:
-        rows = self.lines()
-        width = max(len(key) for key, _ in rows)
-        return "\n".join(f"{key:<{width}}  {value}" for key, value in rows)
+        return format_table(self.lines())
 
     __repr__ = __str__
 

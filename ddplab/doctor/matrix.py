@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ddplab.doctor.machine import built_backends
 from ddplab.doctor.ops import Op
+from ddplab.tables import format_table
 
 # --- columns: which backend on which device ----------------------------------------------------
 
@@ -128,21 +129,10 @@ class SupportMatrix:
         body = [[op.name, *(label(self[op.name, column]) for column in self.columns)]
                 for op in self.ops]
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
-        lines = [f"Probed live: {ranks} per column, "
-                 f"{self.timeout:g} s per call.", "", *table_lines(header, body), "", LEGEND]
+        lines = [f"Probed live: {ranks} per column, {self.timeout:g} s per call.", "",
+                 format_table(body, header=header, rule=True), "", LEGEND]
         lines += [f"[{number}] {text}" for text, number in notes.items()]
         lines += list(self.ran_with.values())
         return "\n".join(lines)
 
     __str__ = __repr__ = render
-
-
-def table_lines(header: list[str], body: list[list[str]]) -> list[str]:
-    """Aligned monospace columns, a rule under the header."""
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(f"{cell:<{width}}" for cell, width in zip(cells, widths,
-                                                                  strict=True)).rstrip()
-
-    return [line(header), line(["-" * w for w in widths]), *map(line, body)]

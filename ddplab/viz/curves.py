@@ -23,6 +23,7 @@ from collections import defaultdict
 import numpy as np
 from matplotlib.figure import Figure
 
+from ddplab.tables import format_table
 from ddplab.viz.canvas import FONT
 from ddplab.viz.palette import line_color, rank_color, text_color
 from ddplab.viz.png import png_bytes, screen_size
@@ -79,10 +80,12 @@ class LossCurves:
         return fig
 
     def _epoch_table(self, fig: Figure) -> None:
-        lines = ["epoch  loss    test acc."]
-        lines += [f"{e['epoch']:>5}  {e['loss']:.4f}  {e['test_accuracy']:.2%}"
-                  for e in self.epochs]
-        fig.text(0.74, 0.88, "\n".join(lines), va="top", ha="left", family="monospace",
+        rows = [[e["epoch"], f"{e['loss']:.4f}", f"{e['test_accuracy']:.2%}"]
+                for e in self.epochs]
+        # The loss column keeps its width (0.0000) before the first epoch ends.
+        text = format_table(rows, header=["epoch", "loss", "test acc."], align=">",
+                            widths=(5, 6))
+        fig.text(0.74, 0.88, text, va="top", ha="left", family="monospace",
                  fontsize=FONT - 1, color=text_color("#555555"))
 
     def finish(self) -> None:
