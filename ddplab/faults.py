@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddplab.pool.errors import RankError, RankFailure, Stuck
+from ddplab.tables import format_table
 
 FAULTS: dict[str, str] = {
     "skip": "skips the all_reduce",
@@ -143,10 +144,6 @@ def attempt(pool, fault: str | None, victim: int = 1, timeout: float = 3.0,
 
 def table(trials: list[Trial]) -> str:
     """The trials as a text table: one row per fault, one column per rank (victim starred)."""
-    # Imported here, not at the top: chapter 7a prints step's source with its line numbers,
-    # which one more import line above it would shift.
-    from ddplab.tables import format_table
-
     if not trials:
         return ""
     ranks = sorted(trials[0].seen)
@@ -191,7 +188,5 @@ def fingerprints(err: RankError) -> list[Fingerprint]:
 
 def fingerprint_table(err: RankError) -> str:
     """DETAIL's verdict as a table: rank, sequence number, collective, shape, dtype."""
-    from ddplab.tables import format_table  # here, as in `table`: step's lines stay put
-
     rows = [[f.rank, f.seq, f.op, f"[{f.shape}]", f.dtype] for f in fingerprints(err)]
     return format_table(rows, header=["rank", "seq", "collective", "shape", "dtype"])
