@@ -164,15 +164,33 @@ def init_process_group() -> None:
                       world_size=spec["world_size"])
     if spec["backend"] == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(**kwargs)
+    server, store_fd = None, spec.pop("store_fd", None)  # a socket serves one store only
+    if store_fd is not None:
+        # Rank 0 starts its TCPStore server from the socket the kernel has held listening
+        # since before any rank started (`ddplab.pool.rendezvous.listening_socket` says
+        # why). The store init_process_group then makes for rank 0 is multi-tenant (one
+        # server per port and process), so it is this server, and the rendezvous below is
+        # exactly a script's. Once the group holds the store, ours is let go: a group
+        # destroyed later closes its server as it would in a script.
+        server = dist.TCPStore("127.0.0.1", spec["store_port"], spec["world_size"],
+                               is_master=True, multi_tenant=True, wait_for_workers=False,
+                               master_listen_fd=store_fd, timeout=kwargs["timeout"])
+    try:
+        dist.init_process_group(**kwargs)
+    finally:
+        del server
 
 
-def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
-         lifeline_fd: int) -> int:
-    """Set up the rank described by `spec`, then serve calls until told to exit."""
+def main(spec: dict, lifeline_fd: int, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
+         store_fd: int | None = None) -> int:
+    """Set up the rank described by `spec`, then serve calls until told to exit.
+
+    `store_fd`, given to rank 0 of a group that meets through a TCPStore, is the listening
+    socket its store serves from (see `init_process_group`).
+    """
     _redirect_output(out_fd, err_fd)
     _die_with_parent(lifeline_fd)
-    _spec.update(spec)
+    _spec.update(spec, store_fd=store_fd)
     os.environ.clear()
     os.environ.update(spec["env"])
     with contextlib.suppress(OSError):

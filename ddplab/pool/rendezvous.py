@@ -1,8 +1,11 @@
 """Where a pool's ranks meet, and how each one learns who it is.
 
-- `free_port()`: a port on 127.0.0.1 that nothing listens on: the rendezvous of each
-  generation of a pool's ranks, and, as `ddplab.launch.free_port`, the MASTER_PORT the
-  chapters and launcher scripts give torchrun, mpirun and Slurm.
+- `listening_socket()`: the socket rank 0's TCPStore will serve from, already listening
+  when the ranks start, so none of them is refused (see its docstring: why that matters).
+- `free_port()`: a port on 127.0.0.1 that nothing listens on: the MASTER_PORT of a pool
+  whose ranks join a group themselves (`init_method=None`), and, as
+  `ddplab.launch.free_port`, the one the chapters and launcher scripts give torchrun,
+  mpirun and Slurm.
 - `rank_env()`: a pool rank's environment: the kernel's, less the variables any launcher
   sets per process (`is_per_process`), plus what torchrun would set on one node, and
   `POOL_MARK`, by which `ddplab.launch.detect()` knows that the pool started the process.
@@ -58,3 +61,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listening_socket() -> socket.socket:
+    """A socket on 127.0.0.1, on a port the OS picked, already listening: rank 0's store's.
+
+    With `env://` or `tcp://`, rank 0 serves the group's TCPStore and every other rank
+    connects to it. A pool starts its ranks at the same instant, so a rank often connects a
+    few milliseconds before rank 0 listens. Its connection is then refused, and torch's
+    client does not simply try again: c10d's `SocketConnectOp::tryConnect`
+    (torch/csrc/distributed/c10d/socket.cpp, since pytorch/pytorch#129261) treats
+    ECONNREFUSED as "not listening yet" and sleeps its connect back-off before the next
+    attempt, a randomized delay of 0.3 to 0.7 s with torch 2.13 (measured). Every rank then
+    waits for the slowest, so about half of all pool starts and rebuilds took half a second
+    longer than the other half.
+
+    So the kernel opens this socket before it forks any rank, and hands it to rank 0, which
+    serves its store from it (`TCPStore(..., master_listen_fd=...)`, in `rank.py`). A client
+    that arrives first waits in the socket's backlog until the store accepts it: no refusal,
+    no back-off, and no sleep anywhere. Holding the port open from the start also closes the
+    window in which another program could take a port `free_port()` had just chosen.
+    """
+    return socket.create_server(("127.0.0.1", 0))

@@ -183,7 +183,7 @@ class ForkServer:
             self.exits[pid] = status
 
     def fork(self, spec: dict, fds: list[int], timeout: float = _TIMEOUTS.fork) -> int:
-        """Fork a rank that runs `ddplab.pool.rank.main(spec, *fds)`; returns its pid."""
+        """Fork a rank that runs `ddplab.pool.rank.main(spec, lifeline, *fds)`; returns its pid."""
         with self._lock:
             for attempt in (1, 2):
                 self.start()
@@ -449,7 +449,7 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(msg[1], [*fds, lifeline_fd], [sock.fileno(), wake_r, wake_w])
+                _child(msg[1], [lifeline_fd, *fds], [sock.fileno(), wake_r, wake_w])
             with contextlib.suppress(OSError):  # the child did it first, or is gone
                 os.setpgid(pid, pid)
             children.add(pid)

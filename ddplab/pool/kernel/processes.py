@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 
 from ddplab.pool.kernel import forkserver
 from ddplab.pool.kernel.output import OutputRouter
-from ddplab.pool.rendezvous import free_port, rank_env
+from ddplab.pool.rendezvous import free_port, listening_socket, rank_env
 
 
 @dataclass
@@ -102,15 +102,22 @@ class Processes:
         except BaseException:
             self.kill()
             raise
+        finally:
+            if rendezvous["listener"] is not None:  # rank 0 holds its own copy now
+                rendezvous["listener"].close()
 
     def _rendezvous(self) -> dict:
-        port = free_port()
-        if self.setup.init_method == "tcp":
-            return {"port": port, "url": f"tcp://127.0.0.1:{port}"}
-        if self.setup.init_method == "file":
-            path = os.path.join(self.tmpdir, f"rendezvous-{self.generation}")
-            return {"port": port, "url": f"file://{path}"}
-        return {"port": port, "url": "env://"}
+        """Where this generation's ranks meet. With a TCPStore (env://, tcp://), its socket
+        is opened here, listening before any rank starts (see `listening_socket`)."""
+        method = self.setup.init_method
+        listener = listening_socket() if method in ("env", "tcp") else None
+        port = listener.getsockname()[1] if listener else free_port()
+        url = "env://"
+        if method == "tcp":
+            url = f"tcp://127.0.0.1:{port}"
+        elif method == "file":
+            url = f"file://{os.path.join(self.tmpdir, f'rendezvous-{self.generation}')}"
+        return {"port": port, "url": url, "listener": listener}
 
     def _fork(self, index: int, env: dict[str, str], rendezvous: dict) -> None:
         setup = self.setup
@@ -120,14 +127,17 @@ class Processes:
             "init_url": rendezvous["url"], "pg_timeout": setup.pg_timeout,
             "threads": setup.threads, "cwd": os.getcwd(), "sys_path": list(sys.path),
             "env": rank_env(env, index, setup.world_size, rendezvous["port"]),
+            "store_port": rendezvous["port"],
         }
+        # Rank 0 serves the group's TCPStore from the socket already listening (if any).
+        store = [rendezvous["listener"].fileno()] if index == 0 and rendezvous["listener"] else []
         cmd, cmd_theirs = socket.socketpair()
         ctl, ctl_theirs = socket.socketpair()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             pid = self._server.fork(spec, [cmd_theirs.fileno(), ctl_theirs.fileno(),
-                                           out_w, err_w])
+                                           out_w, err_w, *store])
         except BaseException:
             for sock in (cmd, ctl):
                 sock.close()
