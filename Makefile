@@ -72,14 +72,15 @@ endif
 lab: setup ## open JupyterLab on notebooks/ (pass more options with LAB_ARGS=...)
 	$(VENV)/bin/ddplab lab $(LAB_ARGS)
 
-test: lint ## ruff, then the unit tests and nbval over every notebook
+test: lint ## ruff and the import rules, then the unit tests and nbval over every notebook
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 quick: setup ## the fast inner loop (under a minute): no chapters, browser, launchers, exercises or slow tests
 	$(VENV)/bin/pytest $(PYTEST_ARGS) -m "not notebook and not browser and not launchers and not exercises and not slow" tests
 
-lint: setup ## ruff check
+lint: setup ## ruff, and the package's import rules (pyproject.toml, [tool.importlinter])
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 notebooks: setup ## re-execute every notebook in place, so outputs come from the kit
 	$(VENV)/bin/ddplab execute notebooks
@@ -93,6 +94,7 @@ test-latest: .venvs/latest/uv/bin/uv ## the whole suite in .venvs/latest, on the
 	.venvs/latest/uv/bin/uv pip install --quiet --python .venvs/latest/bin/python --upgrade --reinstall-package ddplab -e ".[test]"
 	.venvs/latest/bin/pip list --format=freeze 2>/dev/null | grep -iE '^(torch|cloudpickle|ipython|ipykernel|jupyterlab|matplotlib|numpy|nbval|pytest)=='
 	.venvs/latest/bin/ruff check .
+	.venvs/latest/bin/lint-imports --no-cache
 	.venvs/latest/bin/pytest $(PYTEST_ARGS)
 
 test-matrix: ## the whole suite on every Python in PYTHONS, each in .venvs/pyX.Y from the lock; a table at the end

@@ -67,7 +67,8 @@ def _all_reduce_ones() -> float:
 
 
 def _sample_pool(world_size: int, warm: bool) -> float:
-    from ddplab import Pool, forkserver
+    from ddplab import Pool
+    from ddplab.pool.kernel import forkserver
 
     if warm:  # what `import ddplab` in a notebook has done by the time Pool() runs
         server = forkserver.get()

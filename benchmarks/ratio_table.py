@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ddplab.tables import format_table
+
 
 def report(rows: Sequence[tuple[str, str, str]], *, figures: str = "medians",
            markdown: str | None = None) -> None:
     """Print (measurement, figures, ratio) rows aligned; also write them to `markdown`."""
-    width = max(len(row[0]) for row in rows)
-    column = max(len(figures), *(len(row[1]) for row in rows))
-    print(f"{'measurement':<{width}}  {figures:<{column}}  ratio")
-    for name, shown, ratio in rows:
-        print(f"{name:<{width}}  {shown:<{column}}  {ratio}")
+    print(format_table(rows, header=["measurement", figures, "ratio"]))
     if markdown:
         with open(markdown, "w") as f:
             f.write(f"| measurement | {figures} | ratio |\n|---|---|---|\n")

@@ -18,15 +18,16 @@ import sys
 __all__ = ["Pool", "RankError", "RankFailure", "RankTimeout", "current_pool"]
 __version__ = "0.1.0"
 
-# Where each public name lives. They are imported on first use (PEP 562), so `import
-# ddplab`, the `ddplab` command and the forkserver's start do not pay for importing torch.
-_LAZY = {"Pool": "ddplab.pool", "current_pool": "ddplab.pool", "RankError": "ddplab.errors",
-         "RankFailure": "ddplab.errors", "RankTimeout": "ddplab.errors"}
+# Where each public name lives: the pool engine's public face (ddplab/pool/). They are
+# imported on first use (PEP 562), so `import ddplab`, the `ddplab` command and the
+# forkserver's start do not pay for importing torch.
+_LAZY = dict.fromkeys(("Pool", "RankError", "RankFailure", "RankTimeout", "current_pool"),
+                      "ddplab.pool")
 
 
 def __getattr__(name: str):
     if name == "Pool":  # a pool is coming: its forkserver imports torch meanwhile
-        from ddplab import forkserver
+        from ddplab.pool.kernel import forkserver
 
         forkserver.get()
     if name in _LAZY:
@@ -40,8 +41,8 @@ def __dir__() -> list[str]:
 
 def load_ipython_extension(ip) -> None:
     """`%load_ext ddplab`: register `%%ranks` and warm up the forkserver."""
-    from ddplab import forkserver
-    from ddplab.magics import register
+    from ddplab.pool.ipython.magics import register
+    from ddplab.pool.kernel import forkserver
 
     register(ip)
     forkserver.get()

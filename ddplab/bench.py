@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab.collectives import all_gather_single, group_device, reduce_scatter_single
+from ddplab.tables import format_table
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -226,18 +227,21 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+# nccl-tests' columns, right-aligned at fixed widths so that every collective's block lines up
+# with the others; the first column holds the "#" that marks its header lines as comments.
+_HEADER = (("#", "size", "count", "type", "time", "algbw", "busbw"),
+           ("#", "", "(elements)", "", "(us)", "(GB/s)", "(GB/s)"))
+_WIDTHS = (1, 10, 12, 8, 10, 8, 8)
+
+
 def table(results: Sequence[Result], stamp: str | None = None) -> str:
     """nccl-tests' columns, one block per collective; `stamp` says what it ran on."""
     lines = [f"# {stamp}"] if stamp else []
     for op in dict.fromkeys(r.op for r in results):
+        rows = [["", _human(r.bytes), r.count, r.dtype, f"{r.seconds * 1e6:.1f}",
+                 f"{r.algbw:.3f}", f"{r.busbw:.3f}"] for r in results if r.op == op]
         lines += ["", f"# {op}  (busbw = algbw x {_factor_text(op)})",
-                  f"# {'size':>10} {'count':>12} {'type':>8} {'time':>10} {'algbw':>8} "
-                  f"{'busbw':>8}",
-                  f"# {'':>10} {'(elements)':>12} {'':>8} {'(us)':>10} {'(GB/s)':>8} "
-                  f"{'(GB/s)':>8}"]
-        for r in (r for r in results if r.op == op):
-            lines.append(f"  {_human(r.bytes):>10} {r.count:>12} {r.dtype:>8} "
-                         f"{r.seconds * 1e6:>10.1f} {r.algbw:>8.3f} {r.busbw:>8.3f}")
+                  format_table([*_HEADER, *rows], align="<>>>>>>", widths=_WIDTHS, sep=" ")]
     return "\n".join(lines).lstrip("\n")
 
 
@@ -343,8 +347,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def pool_main(argv: Sequence[str] | None = None) -> int:
     """`ddplab bench`: start a pool of --ranks ranks, sweep on it, print the table."""
-    from ddplab.errors import RankError
-    from ddplab.pool import Pool
+    from ddplab.pool import Pool, RankError
 
     parser = _parser("ddplab bench")
     parser.add_argument("--ranks", type=int, default=2, metavar="N",

@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddplab.errors import RankError, RankFailure, Stuck
+from ddplab.pool.errors import RankError, RankFailure, Stuck
+from ddplab.tables import format_table
 
 FAULTS: dict[str, str] = {
     "skip": "skips the all_reduce",
@@ -152,11 +153,7 @@ def table(trials: list[Trial]) -> str:
         what = FAULTS.get(t.fault, "makes no mistake") if t.fault else "makes no mistake"
         rows.append([what] + [t.seen[r] + (" *" if r == t.victim and t.fault else "")
                               for r in ranks])
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(* the victim)"
+    return format_table(rows, header=header, rule=True) + "\n(* the victim)"
 
 
 # TORCH_DISTRIBUTED_DEBUG=DETAIL names a mismatch in one long sentence per rank:
@@ -191,9 +188,5 @@ def fingerprints(err: RankError) -> list[Fingerprint]:
 
 def fingerprint_table(err: RankError) -> str:
     """DETAIL's verdict as a table: rank, sequence number, collective, shape, dtype."""
-    rows = [["rank", "seq", "collective", "shape", "dtype"]]
-    rows += [[str(f.rank), str(f.seq), f.op, f"[{f.shape}]", f.dtype]
-             for f in fingerprints(err)]
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)
+    rows = [[f.rank, f.seq, f.op, f"[{f.shape}]", f.dtype] for f in fingerprints(err)]
+    return format_table(rows, header=["rank", "seq", "collective", "shape", "dtype"])

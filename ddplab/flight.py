@@ -11,109 +11,23 @@ When a pool call hangs, the pool takes a dump from every rank of the call before
 them (`RankError.flight`: rank -> the dump, torch's JSON text), and the report says what
 the dumps show. torch ships an analysis tool for dumps (`python -m
 torch.distributed.flight_recorder.fr_trace`), written for NCCL's; in torch 2.13 it fails
-on gloo's dumps with a KeyError, so this module reads them itself. Kernel side: no torch.
+on gloo's dumps with a KeyError, so the kit reads them itself:
+
+    parse(rank, dump)   # one rank's dump as a Record: its collectives, oldest first
+    verdict(dumps)      # one sentence on what the dumps show ("" when nothing is wrong)
+    table(dumps)        # the last collectives of every rank, side by side
+
+`parse` and `verdict` are the pool's own (`ddplab.pool.kernel.flightrecorder`, where the
+pool's hang report uses them: the engine imports nothing of this toolbox); this module,
+chapter 7's, adds `table`. Kernel side: no torch.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from ddplab.pool.kernel.flightrecorder import Dump, Entry, Record, parse, verdict
+from ddplab.tables import format_table
 
-from ddplab.errors import ranks_text
-
-Dump = dict | str | bytes
-"""A rank's dump: torch's JSON text, or that text already parsed."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One collective in one rank's flight recorder."""
-
-    seq: int  # the process group's sequence number of this collective (1, 2, ...)
-    op: str  # "all_reduce", "broadcast", ... (the backend's prefix dropped)
-    sizes: tuple[tuple[int, ...], ...]  # its input tensors' shapes
-    group: str  # the process group's name ("0" is the default group)
-
-    def describe(self) -> str:
-        shapes = ", ".join("[" + ", ".join(map(str, size)) + "]" for size in self.sizes)
-        return f"#{self.seq} {self.op}({shapes})"
-
-
-@dataclass(frozen=True)
-class Record:
-    """One rank's dump, reduced to what a hang needs."""
-
-    rank: int
-    entries: tuple[Entry, ...]  # collectives (not point-to-point), oldest first
-    last_enqueued: int  # of the default group; -1 when none
-    last_completed: int
-
-    def at(self, seq: int) -> Entry | None:
-        return next((e for e in self.entries if e.seq == seq), None)
-
-
-def parse(rank: int, dump: Dump, group: str = "0") -> Record:
-    """A rank's dump (`torch._C._distributed_c10d._dump_fr_trace_json()`) as a Record."""
-    if isinstance(dump, (str, bytes)):
-        dump = json.loads(dump)
-    entries = []
-    for e in dump.get("entries", []):
-        if e.get("is_p2p") or e.get("process_group", [group])[0] != group:
-            continue
-        op = e.get("profiling_name", "?").split(":", 1)[-1]
-        sizes = tuple(tuple(size) for size in e.get("input_sizes", []))
-        entries.append(Entry(int(e["collective_seq_id"]), op, sizes, group))
-    status = dump.get("pg_status", {}).get(group, {})
-    return Record(rank, tuple(sorted(entries, key=lambda e: e.seq)),
-                  int(status.get("last_enqueued_collective", -1)),
-                  int(status.get("last_completed_collective", -1)))
-
-
-def verdict(dumps: dict[int, Dump]) -> str:
-    """One sentence on what the ranks' dumps show, or "" when they show nothing wrong.
-
-    First, the earliest sequence number at which ranks recorded different collectives (a
-    skipped call, a different order, a different shape): everything after it is noise.
-    Then, ranks that enqueued fewer collectives than the others: they are behind.
-    """
-    records = [parse(rank, dump) for rank, dump in sorted(dumps.items())]
-    if len(records) < 2:
-        return ""
-    seqs = sorted({e.seq for r in records for e in r.entries})
-    for seq in seqs:
-        seen: dict[str, list[int]] = {}
-        for r in records:
-            entry = r.at(seq)
-            if entry is not None:
-                seen.setdefault(entry.describe().split(" ", 1)[1], []).append(r.rank)
-        if len(seen) > 1:
-            parts = [f"{ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {what}"
-                     for what, ranks in seen.items()]
-            return (f"the ranks' flight recorders disagree at collective #{seq}: "
-                    + "; ".join(parts) + ".")
-    last = max(r.last_enqueued for r in records)
-    behind = [r for r in records if r.last_enqueued < last]
-    if not behind:
-        return ""
-    ahead = [r for r in records if r.last_enqueued == last]
-    entry = ahead[0].at(last)
-    what = f" ({entry.op})" if entry else ""
-    stops: dict[int, list[int]] = {}
-    for r in behind:
-        stops.setdefault(r.last_enqueued, []).append(r.rank)
-    def stopped(stop: int) -> str:
-        return f"stopped after #{stop}" if stop > 0 else "issued none"
-
-    if len(stops) == 1:
-        (stop,) = stops
-        when = f"{'it' if len(behind) == 1 else 'they'} {stopped(stop)}"
-    else:
-        when = "; ".join(f"{ranks_text(ranks)} {stopped(stop)}"
-                         for stop, ranks in sorted(stops.items()))
-    verb = "is" if len(ahead) == 1 else "are"
-    return (f"flight recorder: {ranks_text([r.rank for r in ahead])} {verb} waiting in "
-            f"collective #{last}{what}, which {ranks_text([r.rank for r in behind])} never "
-            f"issued ({when}).")
+__all__ = ["Dump", "Entry", "Record", "parse", "table", "verdict"]
 
 
 def table(dumps: dict[int, Dump], last: int = 4) -> str:
@@ -124,7 +38,4 @@ def table(dumps: dict[int, Dump], last: int = 4) -> str:
     rows = [[str(seq)] + [(r.at(seq).describe().split(" ", 1)[1] if r.at(seq) else "-")
                           for r in records] for seq in seqs]
     rows.append(["done"] + [f"up to #{r.last_completed}" for r in records])
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in [header, *rows]]
-    return "\n".join(lines)
+    return format_table(rows, header=header)

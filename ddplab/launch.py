@@ -16,23 +16,29 @@ torchrun, then OpenMPI, then an `srun` step) and reads only its variables. The g
 RANK / WORLD_SIZE / LOCAL_RANK, when they are set beside OpenMPI's or Slurm's own, must
 agree with them: two sets that disagree raise an error naming both, never a guess.
 
-This module is also the one place for three policies the pool, the training module and
-the doctor share: which GPU a rank uses (`gpu_index`), how to find a free port
-(`free_port`), and how long a process group waits (`TIMEOUT`).
+Here too are the policies the training module, the benchmark and the doctor share with the
+pool: which GPU a rank uses (`gpu_index`, `check_gpus`, `device`) and how to find a free
+port (`free_port`). They are written once, in the pool engine (`ddplab.pool.gpus`,
+`ddplab.pool.rendezvous`), because the engine imports nothing of this toolbox; this module
+applies them, raising its own `LaunchError`. How long a process group started here waits
+(`TIMEOUT`) is this module's own.
 
-Importing it is cheap (no torch): the pool imports it in the notebook's kernel.
+Importing it is cheap (no torch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import socket
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
+
+from ddplab.pool import gpus
+from ddplab.pool.rendezvous import POOL_MARK, free_port
 
 if TYPE_CHECKING:
     import torch
@@ -44,21 +50,6 @@ by hand (the classic `mp.spawn` template, or a launcher ddplab does not know).""
 TIMEOUT = timedelta(minutes=5)
 """How long a process group started here waits for a peer before it gives up. torch's own
 default is 30 minutes (10 for NCCL): far too long to learn that a rank never came."""
-
-POOL_MARK = "DDPLAB_POOL_RANK"
-"""Set by the pool in each of its ranks (to the rank), so `detect()` knows who started it."""
-
-# Variables that say who one process is. A kernel started inside a launcher inherits its
-# own set (a JupyterLab in a Slurm job has SLURM_PROCID=0), which would tell every pool
-# rank that it is rank 0: the pool removes them before it starts its ranks.
-_PER_PROCESS = frozenset({
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEPID", "SLURM_TASK_PID",
-    "SLURM_GTIDS", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", POOL_MARK,
-})
-_PER_PROCESS_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_", "SLURM_STEP_")
-
 
 class LaunchError(ValueError):
     """The launcher's variables are missing, malformed or contradict each other."""
@@ -293,93 +284,42 @@ def first_host(nodelist: str) -> str:
     return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m[1])[0], first)
 
 
-# --- the pool's side -------------------------------------------------------------------------
+# --- GPUs: the one policy (ddplab.pool.gpus), in this module's words ---------------------------
 
-def is_per_process(name: str) -> bool:
-    """Whether a variable says who one process is (and so must not reach the pool's ranks)."""
-    return name in _PER_PROCESS or name.startswith(_PER_PROCESS_PREFIXES)
+@contextlib.contextmanager
+def _launch_errors() -> Iterator[None]:
+    """The GPU policy's refusals, raised as this module's LaunchError (the same words)."""
+    try:
+        yield
+    except gpus.GPUError as exc:
+        raise LaunchError(str(exc)) from None
 
-
-def pool_rank_env(environ: Mapping[str, str], rank: int, world_size: int,
-                  master_port: int) -> dict[str, str]:
-    """The environment of pool rank `rank`: the kernel's, minus any launcher's per-process
-    variables it inherited, plus what torchrun would set on one node."""
-    env = {k: v for k, v in environ.items() if not is_per_process(k)}
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-               LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
-    env[POOL_MARK] = str(rank)
-    return env
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it).
-
-    Between choosing and binding it another program may take it: callers that bind it
-    (the pool) retry with a fresh one.
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- GPUs: the one policy --------------------------------------------------------------------
 
 def gpu_index(local_rank: int, local_world_size: int, visible: int) -> int:
     """Which of the `visible` CUDA devices the process with this local rank uses.
 
-    One GPU per process: local rank r uses `cuda:r`. When a process sees exactly one GPU
-    and CUDA_VISIBLE_DEVICES is set, the launcher has already given each process its own
-    (Slurm's `--gpus-per-task=1`, or a CUDA_VISIBLE_DEVICES per process), and that one is
-    `cuda:0` whatever the local rank. Without that variable, one GPU for several processes
-    on a node is refused: NCCL cannot put two ranks on one GPU.
+    One GPU per process: local rank r uses `cuda:r`, or `cuda:0` when the launcher gave each
+    process its own (see `ddplab.pool.gpus.gpu_index`).
     """
-    if visible == 1 and (local_world_size == 1 or "CUDA_VISIBLE_DEVICES" in os.environ):
-        return 0
-    if visible <= 1 or local_rank >= visible:
-        raise LaunchError(
-            f"NCCL needs one GPU per process: local rank {local_rank} of "
-            f"{local_world_size} on this node has no GPU ({visible} visible). Start at most "
-            f"{visible} process{'es' if visible != 1 else ''} per node "
-            f"(torchrun --nproc_per_node={max(visible, 1)}), or use the gloo backend "
-            "on the CPU.")
-    return local_rank
+    with _launch_errors():
+        return gpus.gpu_index(local_rank, local_world_size, visible)
 
 
 def check_gpus(processes: int, *, nccl: str = "the nccl backend",
                gloo: str = "the gloo backend") -> None:
     """Refuse an NCCL run of `processes` processes on this node before anything starts.
 
-    `nccl` and `gloo` name the backends the way the caller's user chooses them (the pool:
-    `backend='gloo'`; the command line: `--backend gloo`), so the fix reads as they type it.
+    `nccl` and `gloo` name the backends the way the caller's user chooses them (the command
+    line: `--backend gloo`), so the fix reads as they type it.
     """
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_nccl_available():
-        raise LaunchError(f"{nccl} is not available in this build of torch. Use {gloo} (CPU), "
-                          "or install a CUDA build of torch.")
-    if not torch.cuda.is_available():
-        raise LaunchError(f"{nccl} needs NVIDIA GPUs, and torch sees none here "
-                          f"(torch.cuda.is_available() is False). Use {gloo} to run on the "
-                          "CPU, or run on a machine with GPUs and a CUDA build of torch.")
-    visible = torch.cuda.device_count()
-    if visible < processes:
-        raise LaunchError(f"{nccl} needs one GPU per rank: {processes} ranks need {processes} "
-                          f"GPUs but {visible} {'is' if visible == 1 else 'are'} visible. Use "
-                          f"{visible} rank{'s' if visible != 1 else ''}, or {gloo} for "
-                          f"{processes} ranks on the CPU.")
+    with _launch_errors():
+        gpus.check_gpus(processes, nccl=nccl, gloo=gloo)
 
 
 def device(launch: Launch, backend: str) -> torch.device:
     """This process's device: its GPU for NCCL (see `gpu_index`), else the CPU."""
-    import torch
-
-    if backend != "nccl":
-        return torch.device("cpu")
-    check_gpus(1, nccl="--backend nccl", gloo="--backend gloo")  # no GPU, no NCCL: say so
-    index = gpu_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count())
-    return torch.device("cuda", index)
+    with _launch_errors():
+        return gpus.device(launch.local_rank, launch.local_world_size, backend)
 
 
 # --- joining the group -----------------------------------------------------------------------

@@ -99,7 +99,7 @@ def train(cfg: Config, on_log: Callable[[dict], None] | None = None) -> dict:
 
     `on_log(record)` is called on every rank every `cfg.log_every` steps with this rank's
     loss (`{"kind": "step", "rank", "epoch", "step", "loss"}`) and after every epoch with
-    the averaged figures (`{"kind": "epoch", ...}`); in a pool, pass `ddplab.worker.emit`
+    the averaged figures (`{"kind": "epoch", ...}`); in a pool, pass `ddplab.pool.emit`
     to draw them live in the notebook.
     """
     check_config(cfg)

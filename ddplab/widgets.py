@@ -26,8 +26,7 @@ import torch
 
 from ddplab import collectives, ring
 from ddplab.collectives import COLLECTIVES, REDUCE_OPS, REDUCING, ROOTED, VALUES, Spec
-from ddplab.errors import RankError
-from ddplab.pool import Pool
+from ddplab.pool import Pool, RankError
 from ddplab.viz import png_bytes, screen_size, show_transfers
 
 TIMEOUT = 10.0  # seconds: a collective on a few values takes milliseconds
@@ -50,9 +49,9 @@ class Result:
         return collectives.describe(self.before, self.after)
 
     def _repr_png_(self):  # a cell ending with a Result shows its picture above the text
-        from ddplab.viz import _png_for_notebook
+        from ddplab.viz.png import png_for_notebook
 
-        return _png_for_notebook(self.figure)
+        return png_for_notebook(self.figure)
 
 
 class CollectiveExplorer(widgets.VBox):

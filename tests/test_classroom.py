@@ -7,15 +7,16 @@ import time
 
 import pytest
 
-from ddplab import Pool, RankTimeout, classroom
-from ddplab.errors import PoolValueError
+from ddplab import Pool, RankTimeout
+from ddplab.pool.errors import PoolValueError
+from ddplab.pool.kernel import limits
 
 
 def test_unset_means_no_limit_and_values_are_read():
-    assert classroom.limits({}) == classroom.Limits()
-    room = classroom.limits({"DDPLAB_MAX_RANKS": "4", "DDPLAB_MAX_THREADS": " 2 ",
-                             "DDPLAB_CALL_TIMEOUT": "7.5"})
-    assert room == classroom.Limits(max_ranks=4, max_threads=2, call_timeout=7.5)
+    assert limits.read({}) == limits.Limits()
+    room = limits.read({"DDPLAB_MAX_RANKS": "4", "DDPLAB_MAX_THREADS": " 2 ",
+                        "DDPLAB_CALL_TIMEOUT": "7.5"})
+    assert room == limits.Limits(max_ranks=4, max_threads=2, call_timeout=7.5)
     room.check(4, 2)  # at the limit is allowed
 
 
@@ -24,9 +25,9 @@ def test_unset_means_no_limit_and_values_are_read():
                                          ("DDPLAB_CALL_TIMEOUT", "-3"),
                                          ("DDPLAB_CALL_TIMEOUT", "nan")])
 def test_a_value_that_is_no_limit_is_named(name, value):
-    with pytest.raises(classroom.LimitError, match=f"{name}='{value}' in the environment is "
-                                                   "not a limit"):
-        classroom.limits({name: value})
+    with pytest.raises(limits.LimitError, match=f"{name}='{value}' in the environment is "
+                                                "not a limit"):
+        limits.read({name: value})
 
 
 def test_a_pool_beyond_the_rooms_limits_is_refused_naming_the_limit(monkeypatch):

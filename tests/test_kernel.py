@@ -237,7 +237,7 @@ def test_interrupt_stops_the_call_and_leaves_a_working_pool(kernel):
 
 
 def _processes_of(k: Kernel) -> list[int]:
-    reply = k.run("import ddplab.forkserver as fs\nprint(pool.pids + [fs.get().pid])")
+    reply = k.run("import ddplab.pool.kernel.forkserver as fs\nprint(pool.pids + [fs.get().pid])")
     assert reply.error is None, reply.error
     return eval(reply.stdout)
 

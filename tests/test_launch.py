@@ -11,6 +11,7 @@ import torch
 
 from ddplab import Pool, launch
 from ddplab.launch import Launch, LaunchError, detect, first_host, gpu_index, tasks_per_node
+from ddplab.pool.rendezvous import rank_env
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
             "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "node02",
@@ -83,8 +84,7 @@ def test_torchrun_started_twice_on_a_node_by_srun_says_one_task_per_node():
 
 
 def test_the_pool_inside_a_slurm_job_is_the_pool():
-    env = launch.pool_rank_env({**SLURM, "HOME": "/root"}, rank=1, world_size=2,
-                               master_port=4000)
+    env = rank_env({**SLURM, "HOME": "/root"}, rank=1, world_size=2, master_port=4000)
     assert not any(k in env for k in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"))
     assert env["SLURM_JOB_ID"] == "4242" and env["HOME"] == "/root"  # job-wide: kept
     assert detect(env) == Launch("pool", 1, 2, 1, 2, 0, "127.0.0.1", 4000)

@@ -39,7 +39,8 @@ import pytest
 
 from ddplab import slurm as local_slurm
 from ddplab.data import save_subset
-from ddplab.launch import free_port, is_per_process
+from ddplab.launch import free_port
+from ddplab.pool.rendezvous import is_per_process
 from ddplab.slurm import LocalSlurm, SlurmError
 
 pytestmark = pytest.mark.launchers

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddplab import Pool, RankError, RankTimeout, forkserver
+from ddplab import Pool, RankError, RankTimeout
+from ddplab.pool.kernel import forkserver
 
 
 def gone(pids, within: float = 5.0) -> bool:
@@ -392,7 +393,7 @@ def test_shutting_down_never_starts_a_forkserver():
 # --- 11. events: values a rank sends home while a call runs ---
 
 def _count_and_emit(n):
-    from ddplab.worker import emit
+    from ddplab.pool import emit
 
     for i in range(n):
         emit({"i": i, "rank": dist.get_rank()})
@@ -419,7 +420,7 @@ def test_an_error_in_on_event_is_raised_after_the_call_and_the_pool_goes_on(pool
 
 
 def test_emit_outside_a_pool_call_does_nothing():
-    from ddplab.worker import emit
+    from ddplab.pool import emit
 
     emit("nobody listens")
 
@@ -513,7 +514,7 @@ def test_a_rank_aborted_by_gloo_gets_a_hint_naming_the_cause_and_the_switch():
 
 
 def test_simultaneous_is_judged_from_each_ranks_own_start_of_the_call():
-    from ddplab.errors import RankFailure
+    from ddplab.pool.errors import RankFailure
 
     # The call reached rank 1 0.9 s after rank 0 (a loaded machine): both failed 10 ms
     # into their own call, which is "at the same time".
@@ -572,14 +573,15 @@ def test_warnings_on_the_ranks_name_files_without_this_machines_paths(pool, capf
 @pytest.mark.slow
 def test_the_kernel_side_imports_neither_torch_nor_ipython_glue_it_does_not_need():
     code = ("import sys\n"
-            "import ddplab.pool\n"
-            "assert 'ddplab.magics' not in sys.modules, 'pool imports magics'\n"
-            "import ddplab.output\n"
+            "import ddplab.pool.kernel.pool\n"
+            "assert 'ddplab.pool.ipython.magics' not in sys.modules, 'pool imports magics'\n"
+            "import ddplab.pool.kernel.output\n"
             "from ddplab import Pool\n"
             "with Pool(2) as p:\n"
             "    assert p.run(int) == [0, 0]\n"
             "    p.exec_cell('x = rank'); p.push(y=1); assert p.pull('x') == [0, 1]\n"
-            "heavy = sorted(m for m in ('torch', 'ddplab.worker', 'IPython') if m in sys.modules)\n"
+            "heavy = sorted(m for m in ('torch', 'ddplab.pool.rank', 'IPython')\n"
+            "               if m in sys.modules)\n"
             "print(heavy)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout
@@ -637,7 +639,7 @@ def test_ranks_failing_alike_show_one_traceback_without_torchs_frames():
     assert "dist.broadcast(torch.ones(1), src=dist.get_world_size())" in shown  # the cell's line
     assert "in _bad_broadcast" in shown and "  (raised in " in shown
     assert "distributed_c10d.py\", line" not in text  # no torch frame, no library line number
-    assert "c10d_logger.py" not in text and "ddplab/worker.py" not in text
+    assert "c10d_logger.py" not in text and "ddplab/pool/rank.py" not in text
     full = err.failures[0].full_traceback  # every frame, for maintainers
     assert 'distributed_c10d.py", line' in full and "c10d_logger.py" in full
     assert shown.splitlines()[-1] == full.splitlines()[-1]  # the same exception line

@@ -5,14 +5,14 @@ They rest on two things that changed under the kit, and each has a test here tha
 catch the next change:
 
 - cloudpickle sends code defined in cells by value, and since 3.1.3 it rewrites every such
-  code object's file name to "<dynamic-code>"; `ddplab.pickling` gives the name back
+  code object's file name to "<dynamic-code>"; `ddplab.pool.pickling` gives the name back
   (functions, lambdas, nested functions, closures, methods of classes defined in cells).
 - `traceback.StackSummary`'s methods differ between Pythons (3.10 has no
   `format_frame_summary`, 3.13 passes it `colorize=`); `tracebacks` formats a library
   frame as one line through `StackSummary.format` only.
 
 A cell is simulated the way IPython makes one: code compiled from a file name of its own
-(never on disk), its text in `linecache`, and `ipython.cell_names()` naming it "Cell In[7]"
+(never on disk), its text in `linecache`, and `cells.cell_names()` naming it "Cell In[7]"
 (test_kernel.py does the same in a real kernel).
 """
 
@@ -26,7 +26,9 @@ import types
 
 import pytest
 
-from ddplab import Pool, RankError, RankTimeout, ipython, pickling, tracebacks
+from ddplab import Pool, RankError, RankTimeout
+from ddplab.pool import pickling, tracebacks
+from ddplab.pool.ipython import cells
 
 CELL_FILE = os.path.join(tempfile.gettempdir(), "ipykernel_ddplab_tests", "7.py")
 CELL_NAME = "Cell In[7]"
@@ -79,7 +81,7 @@ def cell(monkeypatch) -> dict:
     exec(compile(CELL, CELL_FILE, "exec"), namespace)
     monkeypatch.setitem(linecache.cache, CELL_FILE,
                         (len(CELL), None, CELL.splitlines(keepends=True), CELL_FILE))
-    monkeypatch.setattr(ipython, "cell_names", lambda: {CELL_FILE: CELL_NAME})
+    monkeypatch.setattr(cells, "cell_names", lambda: {CELL_FILE: CELL_NAME})
     return namespace
 
 

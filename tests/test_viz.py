@@ -15,7 +15,8 @@ import torch
 from matplotlib.colors import to_rgb
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from ddplab import viz
+from ddplab import flight, viz
+from ddplab.viz import palette
 
 
 @pytest.fixture(autouse=True)
@@ -113,14 +114,14 @@ def test_transfers_draw_an_arrow_per_message_in_the_senders_colour():
 
 
 def contrast(rgb) -> float:
-    return 1.05 / (viz._luminance(np.array(rgb)) + 0.05)
+    return 1.05 / (palette._luminance(np.array(rgb)) + 0.05)
 
 
 def test_every_rank_colour_reads_on_white_as_text_and_as_a_line():
     # Rank 3's yellow stood 1.3:1 on white; WCAG asks 4.5:1 for text, 3:1 for lines.
     assert contrast(to_rgb(viz.rank_color(3))) < 1.5
     for r in range(12):
-        assert contrast(viz._readable(viz.rank_color(r))) >= 4.5
+        assert contrast(viz.text_color(viz.rank_color(r))) >= 4.5
         assert contrast(viz.line_color(viz.rank_color(r))) >= 3.0
     # A colour dark enough already is left as it is.
     assert viz.line_color("#332288") == pytest.approx(to_rgb("#332288"))
@@ -236,9 +237,7 @@ def test_show_sampler_colours_each_index_by_the_ranks_that_get_it():
 
 
 def test_loss_curves_average_the_steps_every_rank_reported():
-    from ddplab.curves import LossCurves
-
-    curves = LossCurves(world_size=2, every=None)  # no notebook here to draw in
+    curves = viz.LossCurves(world_size=2, every=None)  # no notebook here to draw in
     for rank, losses in ((0, [2.0, 1.0, 0.5]), (1, [1.0, 0.5])):
         for step, loss in enumerate(losses, start=1):
             curves.add(rank, {"kind": "step", "rank": rank, "step": step * 10, "loss": loss})
@@ -263,16 +262,19 @@ def _dump(seqs, last, odd=None):
 
 
 def test_show_flight_draws_a_row_per_collective_and_frames_disagreements():
-    fig = viz.show_flight({0: _dump([1, 2, 3], 3), 1: _dump([1, 2], 2),
-                           2: _dump([1, 2, 3], 3, odd=3)}, title="skip")
+    dumps = {0: _dump([1, 2, 3], 3), 1: _dump([1, 2], 2), 2: _dump([1, 2, 3], 3, odd=3)}
+    fig = viz.show_flight([flight.parse(rank, dump) for rank, dump in dumps.items()],
+                          title="skip")
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert texts[:4] == ["skip", "rank 0", "rank 1", "rank 2"]
     assert texts.count("never issued") == 1
     assert "broadcast [4]" in texts and "#3" in texts
     red = [p for p in fig.axes[0].patches if p.get_edgecolor()[:3] == to_rgb("#C00000")]
     assert len(red) == 1  # only #3, where ranks 0 and 2 disagree, is framed
-    with pytest.raises(ValueError, match="no flight recorder dumps"):
-        viz.show_flight({})
+    with pytest.raises(ValueError, match="no flight recorder records"):
+        viz.show_flight([])
+    with pytest.raises(TypeError, match="records, not their dumps"):
+        viz.show_flight(dumps)
 
 
 def test_show_timeline_lays_out_lanes_and_marks():

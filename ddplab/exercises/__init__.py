@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ddplab import tracebacks
-from ddplab.errors import RankError, RankTimeout, ranks_text
+from ddplab.pool import tracebacks
+from ddplab.pool.errors import RankError, RankTimeout, ranks_text
 
 
 @dataclass

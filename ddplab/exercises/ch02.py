@@ -18,9 +18,9 @@ import shutil
 import tempfile
 import time
 
-from ddplab.errors import RankTimeout, ranks_text
 from ddplab.exercises import NotYet, exercise, expect, ranks
 from ddplab.launch import free_port
+from ddplab.pool.errors import RankTimeout, ranks_text
 
 _WORLD = 3
 _CALL_TIMEOUT = 15  # seconds a checker waits for the learner's code on the ranks

@@ -111,7 +111,7 @@ def _check_shift(got: list, world_size: int, k: int, kind: str) -> None:
                "rank, k and world_size whom it sends to and whom it hears from, and have "
                "both messages in flight at once.")
 def check_shift(attempt: Callable) -> str:
-    from ddplab.errors import RankError
+    from ddplab.pool.errors import RankError
 
     with ranks(4) as pool:
         for k, kind in ((1, "int"), (2, "float"), (-1, "int"), (5, "int")):

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from ddplab.errors import ranks_text
 from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time, show, watching
+from ddplab.pool.errors import ranks_text
 
 DEADLINE = 5.0
 """Seconds an attempt may take on the ranks: correct answers take milliseconds."""

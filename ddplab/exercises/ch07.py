@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from ddplab.errors import RankTimeout
 from ddplab.exercises import exercise, expect, ranks, run_in_time
+from ddplab.pool.errors import RankTimeout
 
 DEADLINE = 5.0
 """Seconds an attempt may take on the ranks: correct answers take well under one."""

@@ -4,7 +4,7 @@ Inputs are small integers (exact in float32), different on every rank, so a wron
 shows where data went astray. With one GPU (world size 1) every call still runs and every
 answer is still checked (a reduction of one rank is its input, a gather one block);
 send/recv needs a peer and is skipped below two GPUs. The doctor's matrix
-(test_gpu_doctor.py) covers the same calls through `ddplab.probes`; this file calls them
+(test_gpu_doctor.py) covers the same calls through `ddplab.doctor.ops`; this file calls them
 the way a learner's cell does.
 """
 

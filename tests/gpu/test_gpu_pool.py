@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ddplab import flight
-from ddplab.errors import RankTimeout
-from ddplab.pool import Pool  # not `from ddplab import Pool`: no forkserver until a test runs
+
+# not `from ddplab import Pool`: no forkserver until a test runs
+from ddplab.pool import Pool, RankTimeout
 
 pytestmark = pytest.mark.gpu
 

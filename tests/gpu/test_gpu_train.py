@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddplab.errors import RankError
-from ddplab.pool import Pool  # not `from ddplab import Pool`: no forkserver until a test runs
+# not `from ddplab import Pool`: no forkserver until a test runs
+from ddplab.pool import Pool, RankError
 from ddplab.train import CHECKPOINT, Config, Net, train
 
 pytestmark = pytest.mark.gpu

@@ -27,16 +27,16 @@ import traceback
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ddplab.errors import Frame, ThreadStack
+from ddplab.pool.errors import Frame, ThreadStack
 
-# Files whose frames are ddplab's plumbing, never the learner's code.
-_INTERNAL = {
-    os.path.join(os.path.dirname(__file__), name)
-    for name in ("worker.py", "forkserver.py", "tracebacks.py")
-}
-_KIT = os.path.dirname(os.path.abspath(__file__)) + os.sep  # ddplab's own files
+# Files whose frames are ddplab's plumbing, never the learner's code: the rank's loop, the
+# forkserver that forked it, and this module (this file is ddplab/pool/tracebacks.py).
+_POOL = os.path.dirname(__file__)
+_INTERNAL = {os.path.join(_POOL, *path) for path in (("rank.py",), ("kernel", "forkserver.py"),
+                                                     ("tracebacks.py",))}
+_KIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # ddplab's own files
 _STDLIB = sysconfig.get_paths()["stdlib"].rstrip(os.sep) + os.sep
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE_ROOT = os.path.dirname(_KIT.rstrip(os.sep)) + os.sep  # the folder that holds ddplab
 _SITE = re.compile(r".*[/\\](?:site|dist)-packages[/\\]")
 
 # Where a cell's code came from: filename -> display name ("Cell In[5]"). Filled by the

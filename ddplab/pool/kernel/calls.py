@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddplab import ipython, pickling, protocol
-from ddplab.errors import PoolTypeError, RankFailure, Stuck, died
-from ddplab.processes import Processes, kill_groups
-from ddplab.timeouts import Timeouts
+from ddplab.pool import pickling, protocol
+from ddplab.pool.errors import PoolTypeError, RankFailure, Stuck, died
+from ddplab.pool.ipython import cells
+from ddplab.pool.kernel.processes import Processes, kill_groups
+from ddplab.pool.timeouts import Timeouts
 
 _call_ids = itertools.count(1)
 
@@ -155,7 +156,7 @@ def _finish_output(procs: Processes, ranks: list[int], seconds: float) -> None:
 def _payload(procs: Processes, call: Plan) -> bytes:
     """The pickled call, with the sources of cells the target ranks have not seen yet."""
     sources = dict(call.sources)
-    for filename, display in ipython.cell_names().items():
+    for filename, display in cells.cell_names().items():
         if any(filename not in procs.ranks[r].sources_sent for r in call.targets):
             entry = linecache.cache.get(filename)
             if entry:

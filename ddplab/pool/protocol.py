@@ -1,20 +1,21 @@
 """The messages between the kernel and its ranks, spelled out in one place.
 
-A rank has four channels from the kernel (see `processes.py` for how they are made):
+A rank has four channels from the kernel (see `kernel/processes.py` for how they are made):
 
 - the **command** channel carries requests in and replies out, each one pickled tuple:
     kernel -> rank   `(CALL, call_id, payload)`   payload: `Call`, by `pickling.dumps`
                      `(EXIT, 0, b"")`             leave the loop, tear the group down
     rank -> kernel   `(OK, call_id, value)`       the call's return value
                      `(ERR, call_id, failure)`    an `errors.RankFailure`
-                     `(EVENT, call_id, value)`    sent by `worker.emit` while the call runs
+                     `(EVENT, call_id, value)`    sent by `rank.emit` while the call runs
 - the **control** channel is answered by a thread of the rank, so the kernel can ask where
   a rank is while its main thread is blocked: `STACKS` -> `(busy, threads)`, whether the
   rank is still in a call, and a list of `errors.ThreadStack`, the main thread first;
   `FLIGHT` -> the rank's flight recorder dump (torch's JSON text), or None.
 - **stdout** and **stderr** are pipes; after each call the rank writes `marker(call_id)`
-  into both, so the kernel knows when a call's output is complete (see `output.py`).
+  into both, so the kernel knows when a call's output is complete (see `kernel/output.py`).
 
+Both sides import this module: the kernel side (`kernel/`) and the rank side (`rank.py`).
 Nothing here imports torch: the kernel imports this module, and it must stay cheap.
 """
 
@@ -34,8 +35,8 @@ FLIGHT = "flight"
 class Ref:
     """A function of an importable module, named rather than pickled.
 
-    The pool calls the worker's own functions (run a cell, set a variable) by name: the
-    kernel then never imports the worker, and with it torch.
+    The pool calls the rank side's own functions (run a cell, set a variable) by name:
+    the kernel then never imports the rank side, and with it torch.
     """
 
     module: str
@@ -47,11 +48,11 @@ class Ref:
         return getattr(importlib.import_module(self.module), self.name)
 
 
-WORKER = "ddplab.worker"
-EXEC_CELL = Ref(WORKER, "exec_cell")
-SET_VARS = Ref(WORKER, "set_vars")
-GET_VAR = Ref(WORKER, "get_var")
-INIT_PROCESS_GROUP = Ref(WORKER, "init_process_group")
+RANK_SIDE = "ddplab.pool.rank"
+EXEC_CELL = Ref(RANK_SIDE, "exec_cell")
+SET_VARS = Ref(RANK_SIDE, "set_vars")
+GET_VAR = Ref(RANK_SIDE, "get_var")
+INIT_PROCESS_GROUP = Ref(RANK_SIDE, "init_process_group")
 
 
 @dataclass

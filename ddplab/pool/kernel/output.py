@@ -7,8 +7,8 @@ cell. By default a call's output is shown when the call ends, grouped in rank or
 `[rank N]` headers, so it is the same on every run (nbval compares it). With `stream=True`
 lines are shown as they arrive, each prefixed with `[rank N]`.
 
-A rank ends each call's output with a marker (see protocol.py); a call's output is complete
-when both of each rank's streams have shown that marker, or have closed.
+A rank ends each call's output with a marker (see `ddplab.pool.protocol`); a call's output is
+complete when both of each rank's streams have shown that marker, or have closed.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from ddplab import ipython
-from ddplab.protocol import MARK_HEAD as _MARK_HEAD
-from ddplab.protocol import MARK_TAIL as _MARK_TAIL
-from ddplab.tracebacks import display_path
+from ddplab.pool.ipython import cells
+from ddplab.pool.protocol import MARK_HEAD as _MARK_HEAD
+from ddplab.pool.protocol import MARK_TAIL as _MARK_TAIL
+from ddplab.pool.tracebacks import display_path
 
 STREAMS = ("stdout", "stderr")
 
@@ -58,7 +58,7 @@ def _dump_path(filename: str) -> str:
     faulthandler prints a code object's own file name: for a function defined in a cell,
     the kernel's file of that cell (kept by `pickling` when the function is sent).
     """
-    return ipython.cell_names().get(filename) or display_path(filename)
+    return cells.cell_names().get(filename) or display_path(filename)
 
 
 def _tidy(text: str) -> str:

@@ -14,6 +14,8 @@ A Pool beyond a limit is refused with an error that names the limit, its value a
 it was set, so a student knows it is the room's rule and not a bug. Unset variables mean
 no limit (and the usual 60 s call timeout). The chapters need 4 ranks, and their exercise
 checks up to 4, so a `DDPLAB_MAX_RANKS` under 4 stops them.
+
+`Pool()` reads them (`read()`) as it starts, and checks its arguments against them.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Limits:
                 "environment, usually by the instructor or the server's administrator).")
 
 
-def limits(environ: Mapping[str, str] | None = None) -> Limits:
+def read(environ: Mapping[str, str] | None = None) -> Limits:
     """The limits set in `environ` (default: this process's environment)."""
     environ = os.environ if environ is None else environ
     return Limits(max_ranks=_positive(environ, MAX_RANKS, int),

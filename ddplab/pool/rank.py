@@ -1,10 +1,11 @@
-"""What runs inside each rank: a small loop that executes whatever the notebook sends.
+"""The pool's rank side: what runs inside each rank, a small loop that executes whatever
+the notebook sends.
 
-A rank is forked from the forkserver (see forkserver.py) with four channels from the
-kernel: a command socket (calls in, results out), a control socket (answered by a thread,
-so the kernel can ask "where are you stuck?" while the main thread is blocked in a
-collective), and its stdout and stderr, which are pipes read by the kernel. Output is
-captured at the file-descriptor level, so C++ warnings from gloo/NCCL and a raw
+A rank is forked from the forkserver (see `ddplab.pool.kernel.forkserver`) with four
+channels from the kernel: a command socket (calls in, results out), a control socket
+(answered by a thread, so the kernel can ask "where are you stuck?" while the main thread
+is blocked in a collective), and its stdout and stderr, which are pipes read by the kernel.
+Output is captured at the file-descriptor level, so C++ warnings from gloo/NCCL and a raw
 `os.write(1, ...)` reach the notebook too.
 
 After each call the rank writes an end-of-call marker into both pipes before replying.
@@ -14,6 +15,11 @@ rank printed is shown in the cell that ran the code, and never in the next one.
 Everything the notebook sends is a function call: `%%ranks` cells, `push` and `pull` are
 calls to the small functions at the bottom of this file, which work on the rank's
 persistent namespace. The messages themselves are spelled out in `protocol.py`.
+
+This module imports nothing of the kernel side (`ddplab.pool.kernel`) or of the IPython
+side (`ddplab.pool.ipython`): only what both sides share (protocol, pickling, errors,
+tracebacks, the GPU policy). The forkserver imports it before it forks, so it must not
+initialise CUDA or start threads when imported.
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from ddplab import launch, pickling, protocol, tracebacks
-from ddplab.errors import RankFailure
+from ddplab.pool import gpus, pickling, protocol, tracebacks
+from ddplab.pool.errors import RankFailure
 
 namespace: dict = {}
 """The rank's persistent namespace: `%%ranks` cells run in it, push/pull use it."""
@@ -108,7 +114,7 @@ def _answer_control(ctl: Connection) -> None:
 
 
 def _flight_record() -> bytes | None:
-    """This process's flight recorder dump (see flight.py), taken while a call may hang.
+    """This process's flight recorder dump (see `ddplab.flight`), taken while a call may hang.
 
     NCCL keeps a recorder of its own (`_dump_nccl_trace_json`, in torch 2.11 and 2.13's
     CUDA builds); gloo writes to the generic one (`_dump_fr_trace_json`), which on an NCCL
@@ -158,15 +164,33 @@ def init_process_group() -> None:
                       world_size=spec["world_size"])
     if spec["backend"] == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(**kwargs)
+    server, store_fd = None, spec.pop("store_fd", None)  # a socket serves one store only
+    if store_fd is not None:
+        # Rank 0 starts its TCPStore server from the socket the kernel has held listening
+        # since before any rank started (`ddplab.pool.rendezvous.listening_socket` says
+        # why). The store init_process_group then makes for rank 0 is multi-tenant (one
+        # server per port and process), so it is this server, and the rendezvous below is
+        # exactly a script's. Once the group holds the store, ours is let go: a group
+        # destroyed later closes its server as it would in a script.
+        server = dist.TCPStore("127.0.0.1", spec["store_port"], spec["world_size"],
+                               is_master=True, multi_tenant=True, wait_for_workers=False,
+                               master_listen_fd=store_fd, timeout=kwargs["timeout"])
+    try:
+        dist.init_process_group(**kwargs)
+    finally:
+        del server
 
 
-def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
-         lifeline_fd: int) -> int:
-    """Set up the rank described by `spec`, then serve calls until told to exit."""
+def main(spec: dict, lifeline_fd: int, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
+         store_fd: int | None = None) -> int:
+    """Set up the rank described by `spec`, then serve calls until told to exit.
+
+    `store_fd`, given to rank 0 of a group that meets through a TCPStore, is the listening
+    socket its store serves from (see `init_process_group`).
+    """
     _redirect_output(out_fd, err_fd)
     _die_with_parent(lifeline_fd)
-    _spec.update(spec)
+    _spec.update(spec, store_fd=store_fd)
     os.environ.clear()
     os.environ.update(spec["env"])
     with contextlib.suppress(OSError):
@@ -183,7 +207,7 @@ def main(spec: dict, cmd_fd: int, ctl_fd: int, out_fd: int, err_fd: int,
         sys.modules["numpy"].random.seed()
 
     rank, local_rank = spec["rank"], spec["local_rank"]
-    device = launch.device(launch.detect(), spec["backend"])  # the kit's one GPU policy
+    device = gpus.device(local_rank, spec["world_size"], spec["backend"])  # the one GPU policy
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _fresh_main_module()

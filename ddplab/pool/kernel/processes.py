@@ -1,13 +1,14 @@
 """The rank processes of one pool: forked with their channels, killed, and given back.
 
 This module owns every operating-system resource a pool holds: the processes (forked by
-the forkserver), each rank's four channels (see `protocol.py`), the selector that watches
-them, the private folder of a file:// rendezvous, and the forkserver's record of the
+the forkserver), each rank's four channels (see `ddplab.pool.protocol`), the selector that
+watches them, the private folder of a file:// rendezvous, and the forkserver's record of the
 ranks' exits. All of it is given back in one place, `release()`, which also runs when a
 learner drops a pool without `shutdown()` (re-running `pool = Pool(4)`), so a notebook
 re-run all day long keeps no descriptor, process or file of its old pools.
 
-What runs on the processes (the call loop) is `calls.py`; the public API is `pool.py`.
+What runs on the processes (the call loop) is `calls.py`; the public API is `pool.py`; what
+runs inside them is `ddplab.pool.rank`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from ddplab import forkserver, launch
-from ddplab.output import OutputRouter
+from ddplab.pool.kernel import forkserver
+from ddplab.pool.kernel.output import OutputRouter
+from ddplab.pool.rendezvous import free_port, listening_socket, rank_env
 
 
 @dataclass
@@ -100,15 +102,22 @@ class Processes:
         except BaseException:
             self.kill()
             raise
+        finally:
+            if rendezvous["listener"] is not None:  # rank 0 holds its own copy now
+                rendezvous["listener"].close()
 
     def _rendezvous(self) -> dict:
-        port = launch.free_port()
-        if self.setup.init_method == "tcp":
-            return {"port": port, "url": f"tcp://127.0.0.1:{port}"}
-        if self.setup.init_method == "file":
-            path = os.path.join(self.tmpdir, f"rendezvous-{self.generation}")
-            return {"port": port, "url": f"file://{path}"}
-        return {"port": port, "url": "env://"}
+        """Where this generation's ranks meet. With a TCPStore (env://, tcp://), its socket
+        is opened here, listening before any rank starts (see `listening_socket`)."""
+        method = self.setup.init_method
+        listener = listening_socket() if method in ("env", "tcp") else None
+        port = listener.getsockname()[1] if listener else free_port()
+        url = "env://"
+        if method == "tcp":
+            url = f"tcp://127.0.0.1:{port}"
+        elif method == "file":
+            url = f"file://{os.path.join(self.tmpdir, f'rendezvous-{self.generation}')}"
+        return {"port": port, "url": url, "listener": listener}
 
     def _fork(self, index: int, env: dict[str, str], rendezvous: dict) -> None:
         setup = self.setup
@@ -117,15 +126,18 @@ class Processes:
             "backend": setup.backend, "init_method": setup.init_method,
             "init_url": rendezvous["url"], "pg_timeout": setup.pg_timeout,
             "threads": setup.threads, "cwd": os.getcwd(), "sys_path": list(sys.path),
-            "env": launch.pool_rank_env(env, index, setup.world_size, rendezvous["port"]),
+            "env": rank_env(env, index, setup.world_size, rendezvous["port"]),
+            "store_port": rendezvous["port"],
         }
+        # Rank 0 serves the group's TCPStore from the socket already listening (if any).
+        store = [rendezvous["listener"].fileno()] if index == 0 and rendezvous["listener"] else []
         cmd, cmd_theirs = socket.socketpair()
         ctl, ctl_theirs = socket.socketpair()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             pid = self._server.fork(spec, [cmd_theirs.fileno(), ctl_theirs.fileno(),
-                                           out_w, err_w])
+                                           out_w, err_w, *store])
         except BaseException:
             for sock in (cmd, ctl):
                 sock.close()

@@ -1,5 +1,6 @@
 """Loss curves: each rank's and their average, drawn live in the cell while ranks train.
 
+    from ddplab.viz import LossCurves
     curves = LossCurves(world_size=2)
     pool.run(train, cfg, on_log=emit, on_event=curves.add)   # redrawn as records arrive
     curves.finish()                                          # the final, complete picture
@@ -22,7 +23,10 @@ from collections import defaultdict
 import numpy as np
 from matplotlib.figure import Figure
 
-from ddplab.viz import FONT, _readable, line_color, png_bytes, rank_color, screen_size
+from ddplab.tables import format_table
+from ddplab.viz.canvas import FONT
+from ddplab.viz.palette import line_color, rank_color, text_color
+from ddplab.viz.png import png_bytes, screen_size
 
 
 class LossCurves:
@@ -76,11 +80,13 @@ class LossCurves:
         return fig
 
     def _epoch_table(self, fig: Figure) -> None:
-        lines = ["epoch  loss    test acc."]
-        lines += [f"{e['epoch']:>5}  {e['loss']:.4f}  {e['test_accuracy']:.2%}"
-                  for e in self.epochs]
-        fig.text(0.74, 0.88, "\n".join(lines), va="top", ha="left", family="monospace",
-                 fontsize=FONT - 1, color=_readable("#555555"))
+        rows = [[e["epoch"], f"{e['loss']:.4f}", f"{e['test_accuracy']:.2%}"]
+                for e in self.epochs]
+        # The loss column keeps its width (0.0000) before the first epoch ends.
+        text = format_table(rows, header=["epoch", "loss", "test acc."], align=">",
+                            widths=(5, 6))
+        fig.text(0.74, 0.88, text, va="top", ha="left", family="monospace",
+                 fontsize=FONT - 1, color=text_color("#555555"))
 
     def finish(self) -> None:
         """Draw the complete picture once more, whatever the timing, in the same place."""

@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ddplab.ipython import running_cell
+from ddplab.pool.ipython.cells import running_cell
 
 
 def _parse_ranks(text: str | None) -> list[int] | None:
@@ -43,7 +43,7 @@ class RankMagics(Magics):
     def ranks(self, line: str, cell: str) -> None:
         """Run this cell on every rank of the most recently started Pool."""
         __tracebackhide__ = True
-        from ddplab.pool import current_pool
+        from ddplab.pool.kernel.pool import current_pool
 
         args = parse_argstring(self.ranks, line)
         pool = current_pool()

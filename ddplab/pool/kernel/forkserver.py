@@ -21,6 +21,10 @@ torch's Python logging). A rank forked from a server that imported torch before 
 learner set them would ignore them. So each server is started for one setting of the
 variables torch might read (`import_time`), and a pool whose setting differs gets a fresh
 server; a server left with no ranks is stopped when another one starts.
+
+Finding them: the server's command line, which its ranks (forked, not started) share, says
+`ddplab.forkserver` (`PROCESS_NAME`), so `pgrep -af ddplab.forkserver` lists a kernel's
+servers and ranks (docs/instructors.md), wherever this module lives.
 """
 
 from __future__ import annotations
@@ -39,10 +43,15 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 
-from ddplab.timeouts import DEFAULT as _TIMEOUTS
+from ddplab.pool.timeouts import DEFAULT as _TIMEOUTS
 
 _HEADER = struct.Struct("!I")
-_SERVER_MAIN = "import sys; from ddplab.forkserver import serve; serve(*map(int, sys.argv[1:]))"
+PROCESS_NAME = "ddplab.forkserver"
+"""The server's first argument, which names it (and its ranks) to `pgrep -af`."""
+_SERVER_MAIN = ("import sys; from ddplab.pool.kernel.forkserver import serve; "
+                "serve(*map(int, sys.argv[2:]))")
+# The folder that holds the ddplab package (this file is ddplab/pool/kernel/forkserver.py).
+_PACKAGE_PARENT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 _MAX_FDS = 8
 IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "GLOO_", "NCCL_")
 """Variables with these prefixes may be read by torch at import; rather than keep a list
@@ -122,15 +131,15 @@ class ForkServer:
             self._close()
             lifeline_r = _lifeline()
             ours, theirs = socket.socketpair()
-            package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             env = {k: v for k, v in os.environ.items()
                    if not k.startswith(IMPORT_TIME_PREFIXES)}
             env.update(self.setting, OMP_NUM_THREADS="1")
             env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (package_parent, env.get("PYTHONPATH")) if p)
+                p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-c", _SERVER_MAIN, str(theirs.fileno()), str(lifeline_r)],
+                    [sys.executable, "-c", _SERVER_MAIN, PROCESS_NAME, str(theirs.fileno()),
+                     str(lifeline_r)],
                     pass_fds=(theirs.fileno(), lifeline_r),
                     stdin=subprocess.DEVNULL, env=env,
                     start_new_session=True,  # the kernel's Ctrl-C is not for us
@@ -174,7 +183,7 @@ class ForkServer:
             self.exits[pid] = status
 
     def fork(self, spec: dict, fds: list[int], timeout: float = _TIMEOUTS.fork) -> int:
-        """Fork a rank that runs `ddplab.worker.main(spec, *fds)`; returns its pid."""
+        """Fork a rank that runs `ddplab.pool.rank.main(spec, lifeline, *fds)`; returns its pid."""
         with self._lock:
             for attempt in (1, 2):
                 self.start()
@@ -356,9 +365,9 @@ def _child(spec: dict, fds: list[int], closing: list[int]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setpgid(0, 0)  # its own group, so the pool can kill it with everything it started
-        from ddplab import worker
+        from ddplab.pool import rank
 
-        code = worker.main(spec, *fds)
+        code = rank.main(spec, *fds)
     except BaseException:
         import traceback
 
@@ -408,7 +417,7 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
         import torch
         import torch.distributed  # noqa: F401
 
-        from ddplab import worker  # noqa: F401
+        from ddplab.pool import rank  # noqa: F401
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -440,7 +449,7 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(msg[1], [*fds, lifeline_fd], [sock.fileno(), wake_r, wake_w])
+                _child(msg[1], [lifeline_fd, *fds], [sock.fileno(), wake_r, wake_w])
             with contextlib.suppress(OSError):  # the child did it first, or is gone
                 os.setpgid(pid, pid)
             children.add(pid)

@@ -14,7 +14,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from ddplab.timeouts import DEFAULT as _TIMEOUTS
+from ddplab.pool.timeouts import DEFAULT as _TIMEOUTS
 
 # The line `tracebacks.format_exception` writes where it left library frames out.
 LIBRARY_FRAMES = re.compile(r"^  \(raised in .*\(\) of .*\)$", re.MULTILINE)

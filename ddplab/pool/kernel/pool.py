@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ddplab import calls, classroom, flight, launch, protocol
-from ddplab.errors import (
+from ddplab.pool import gpus, protocol
+from ddplab.pool.errors import (
     DETAIL_DDP_CRASH,
     PoolClosedError,
     PoolNameError,
@@ -32,9 +32,10 @@ from ddplab.errors import (
     RankTimeout,
     ranks_text,
 )
-from ddplab.processes import Processes, Setup
-from ddplab.timeouts import DEFAULT as DEFAULT_TIMEOUTS
-from ddplab.timeouts import Timeouts
+from ddplab.pool.kernel import calls, flightrecorder, limits
+from ddplab.pool.kernel.processes import Processes, Setup
+from ddplab.pool.timeouts import DEFAULT as DEFAULT_TIMEOUTS
+from ddplab.pool.timeouts import Timeouts
 
 BACKENDS = ("gloo", "nccl")
 # Start-up errors worth a second try with a fresh port: the free port was taken between
@@ -75,8 +76,9 @@ class Pool:
             override it); also the process group's own timeout, so a collective never
             waits longer than this. Default: 60, or the room's DDPLAB_CALL_TIMEOUT.
         threads: CPU threads per rank (OMP_NUM_THREADS and torch.set_num_threads).
-            The room's limits (`ddplab.classroom`: DDPLAB_MAX_RANKS, DDPLAB_MAX_THREADS),
-            if an instructor set them, cap `world_size` and `threads`.
+            The room's limits (`ddplab.pool.kernel.limits`: DDPLAB_MAX_RANKS,
+            DDPLAB_MAX_THREADS), if an instructor set them, cap `world_size` and
+            `threads`.
         env: environment variables for this pool's ranks, over the kernel's own (which
             they also get): debug switches such as TORCH_DISTRIBUTED_DEBUG="DETAIL" take
             effect, even those torch reads only when it is imported.
@@ -101,8 +103,8 @@ class Pool:
             raise PoolValueError(f"unknown init_method {init_method!r}: choose 'env', 'tcp', "
                                  "'file', or None (start processes only)")
         try:
-            room = classroom.limits()
-        except classroom.LimitError as exc:
+            room = limits.read()
+        except limits.LimitError as exc:
             raise PoolValueError(str(exc)) from None
         if timeout is None:
             timeout = room.call_timeout or DEFAULT_TIMEOUTS.call
@@ -116,8 +118,8 @@ class Pool:
         env = self._check_env(env)
         if backend == "nccl":
             try:
-                launch.check_gpus(world_size, nccl="backend='nccl'", gloo="backend='gloo'")
-            except launch.LaunchError as exc:
+                gpus.check_gpus(world_size, nccl="backend='nccl'", gloo="backend='gloo'")
+            except gpus.GPUError as exc:
                 raise PoolValueError(str(exc)) from None
 
         self.world_size = world_size
@@ -188,7 +190,7 @@ class Pool:
         within `timeout` seconds (the pool is then rebuilt and usable).
 
         `on_event(rank, value)` is called in the notebook, while the call runs, for each
-        value a rank sends with `ddplab.worker.emit(value)` (live progress, loss curves).
+        value a rank sends with `ddplab.pool.emit(value)` (live progress, loss curves).
         If it raises, the call still runs to its end and the error is raised after it.
         """
         __tracebackhide__ = True
@@ -328,7 +330,7 @@ class Pool:
     def _error(self, outcome: calls.Outcome, timeout: float) -> RankError:
         simultaneous = self.timeouts.simultaneous
         try:
-            seen = flight.verdict(outcome.flight)
+            seen = flightrecorder.verdict(outcome.flight)
         except Exception:  # a dump this torch writes differently: the report must still come
             seen = ""
         seen = f"\n{seen[0].upper()}{seen[1:]}" if seen else ""

@@ -1,0 +1,53 @@
+"""The picture language of the kit: every rank's tensor, and where each value came from.
+
+One rule runs through every picture: **each rank has its own colour, and a cell's colour
+says whose data it holds**. Rank 2's values are drawn in rank 2's colour wherever they end
+up, so after a gather, a scatter or an all_to_all a learner sees at a glance which values
+moved where. A value combined from several ranks (the result of a reduction) is striped
+in the colours of all the ranks it came from; an empty buffer (not yet received) is white.
+
+Each panel is one rank: its title in the rank's colour, its tensor as a grid of cells with
+the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, by family:
+
+- tensors (`tensors`): `show_ranks`, `show_before_after`, `show_steps`, `show_transfers`,
+  `show_inbox`: each rank's tensor, before and after, with arrows for what moved;
+- topology (`topology`): `show_cluster`, `show_launch`, `show_store`, `show_mesh`: nodes
+  and their devices, processes as a launcher placed them, a rendezvous store, a 2-D mesh;
+- data (`data`): `show_digits`, `show_sampler`: MNIST digits, and a sampler's split;
+- time (`timeline`): `show_timeline` (with `Span`), `show_flight`: what each rank did when,
+  and the collectives its flight recorder kept;
+- bars (`bars`): `show_bars`, `show_buckets`: measured quantities, DDP's buckets by bytes;
+- curves (`curves`): `LossCurves`, each rank's training loss and their average, drawn live
+  in the cell while the ranks train.
+
+They all draw with the shared primitives: the palette (`palette`: a colour always means a
+rank), what a cell holds (`cells`), the canvas (`canvas`: inches, panels, arrows, legends)
+and the PNG a notebook shows (`png`).
+
+Functions take plain tensors, arrays or lists (no pool needed, so they are easy to test) and
+return a `matplotlib.figure.Figure`; in a notebook, a cell ending with one shows it. Figures
+are built without pyplot, so they are never shown twice and never accumulate. Sizes are
+fixed by the content (cells are about 0.45 inch), so pictures look the same everywhere.
+"""
+
+from __future__ import annotations
+
+from ddplab.viz.bars import show_bars, show_buckets
+from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH
+from ddplab.viz.cells import EMPTY_BUFFER, Owner, as_grid, format_value, owner_grid
+from ddplab.viz.curves import LossCurves
+from ddplab.viz.data import show_digits, show_sampler
+from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
+from ddplab.viz.png import png_bytes, screen_size
+from ddplab.viz.tensors import show_before_after, show_inbox, show_ranks, show_steps, show_transfers
+from ddplab.viz.timeline import Span, show_flight, show_timeline
+from ddplab.viz.topology import show_cluster, show_launch, show_mesh, show_store
+
+__all__ = [
+    "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
+    "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
+    "rank_color", "screen_size", "show_bars", "show_before_after", "show_buckets",
+    "show_cluster", "show_digits", "show_flight", "show_inbox", "show_launch", "show_mesh",
+    "show_ranks", "show_sampler", "show_steps", "show_store", "show_timeline", "show_transfers",
+    "text_color", "tint",
+]

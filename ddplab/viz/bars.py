@@ -1,0 +1,120 @@
+"""Bars: quantities to scale, one horizontal bar each.
+
+`show_bars` draws measured quantities side by side: timings vary between runs and
+machines, so notebooks show them as pictures, whose pixels nbval does not compare (their
+sizes it does, so a size never depends on a measured number). `show_buckets` draws DDP's
+gradient buckets: one bar per layout, each parameter to scale by its bytes, the buckets in
+the order they are all-reduced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from ddplab.viz.canvas import CELL, FONT, Canvas, title_width
+from ddplab.viz.palette import rank_color, text_color, tint
+
+
+def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
+              notes: Sequence[str] | None = None, colors: Sequence[str | None] | None = None,
+              title: str | None = None) -> Figure:
+    """Measured quantities side by side: one horizontal bar per (label, value), to scale.
+
+    Each bar has its value (with `unit`) written at its end, then its note (a speedup, a
+    ratio) if `notes` gives one. `colors` picks each bar's colour (a rank's colour says
+    that bar is that rank's work); None or a missing colour is the neutral grey.
+    """
+    if not values:
+        raise ValueError("no values to draw")
+    if any(v < 0 for _, v in values):
+        raise ValueError("show_bars draws magnitudes: every value must be 0 or more")
+    notes = list(notes or [])
+    colors = list(colors or [])
+    row, left = 0.42, max(len(label) for label, _ in values) * 0.085 + 0.4
+    length = 6.0
+    top = 0.2 + (0.35 if title else 0)
+    longest_note = max((_note_length(n) for n in notes), default=0)
+    width = max(left + length + 1.4 + longest_note * 0.075, title_width(title))
+    height = top + row * len(values) + 0.2
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    scale = length / max(max(v for _, v in values), 1e-12)
+    for i, (label, value) in enumerate(values):
+        y = height - top - (i + 1) * row
+        color = colors[i] if i < len(colors) and colors[i] else "#999999"
+        ax.text(left - 0.12, y + row / 2, label, ha="right", va="center", fontsize=FONT)
+        ax.add_patch(Rectangle((left, y + 0.07), max(value * scale, 0.02), row - 0.14,
+                               fc=tint(color, 0.35), ec=color, lw=0.8))
+        text = f"{value:.3g} {unit}".rstrip()
+        if i < len(notes) and notes[i]:
+            text += f"   {notes[i]}"
+        ax.text(left + value * scale + 0.1, y + row / 2, text, ha="left", va="center",
+                fontsize=FONT)
+    return canvas.fig
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _note_length(note: str) -> int:
+    """A bar's note's length in characters, each number in it counted as four.
+
+    A note usually carries a measured number (`12× the tensor's time`), whose digits vary
+    from run to run and machine to machine; the picture's size must not (a notebook keeps
+    it in the figure's text form, which nbval compares).
+    """
+    return len(_NUMBER.sub("0000", note))
+
+
+def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]]]], *,
+                 title: str | None = None) -> Figure:
+    """DDP's gradient buckets: one bar per layout, its parameters to scale by bytes.
+
+    `layouts` is a list of (label, buckets); each bucket a list of (parameter name, bytes)
+    in the order DDP fills it. Buckets alternate shades with a thick border between them,
+    and the bar reads left to right in the order the buckets are all-reduced; each bucket
+    says its size below it, each parameter its name where it fits.
+    """
+    if not layouts or any(not buckets for _, buckets in layouts):
+        raise ValueError("show_buckets needs at least one layout, each with a bucket")
+    row, left, length = 0.95, max(len(label) for label, _ in layouts) * 0.085 + 0.4, 11.0
+    top = 0.2 + (0.35 if title else 0)
+    width, height = max(left + length + 0.3, title_width(title)), top + row * len(layouts)
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    total = max(sum(b for bucket in buckets for _, b in bucket) for _, buckets in layouts)
+    scale = length / total
+    for i, (label, buckets) in enumerate(layouts):
+        y = height - top - (i + 1) * row + 0.35
+        ax.text(left - 0.12, y + 0.22, label, ha="right", va="center", fontsize=FONT)
+        x = left
+        for k, bucket in enumerate(buckets):
+            color = rank_color(k)
+            start = x
+            for name, nbytes in bucket:
+                w = nbytes * scale
+                ax.add_patch(Rectangle((x, y), max(w, 0.01), 0.44, fc=tint(color, 0.45),
+                                       ec="white", lw=0.6))
+                if w > 0.075 * len(name) + 0.1:
+                    ax.text(x + w / 2, y + 0.22, name, ha="center", va="center",
+                            fontsize=FONT - 2)
+                x += w
+            ax.add_patch(Rectangle((start, y), max(x - start, 0.01), 0.44, fc="none",
+                                   ec=color, lw=1.8))
+            size = _bytes_text(sum(b for _, b in bucket))
+            fitting = [text for text in (f"bucket {k}: {size}", f"{k}: {size}", f"{k}")
+                       if x - start > 0.075 * len(text)]
+            if fitting:
+                ax.text((start + x) / 2, y - 0.06, fitting[0], ha="center", va="top",
+                        fontsize=FONT - 1, color=text_color(color))
+    return canvas.fig
+
+
+def _bytes_text(nbytes: int) -> str:
+    if nbytes >= 1e6:
+        return f"{nbytes / 1e6:.2f} MB"
+    return f"{nbytes / 1e3:.0f} kB" if nbytes >= 1e3 else f"{nbytes} B"

@@ -1,0 +1,237 @@
+"""The canvas: drawing in inches, panels of cells, arrows, legends, rows of panels.
+
+Every picture is one matplotlib Axes that fills its figure, with data coordinates in
+inches (`Canvas`), so sizes follow the content: a cell is `CELL` inches whatever the
+picture, and a picture with more ranks is wider, not smaller (`row_layout` shrinks cells
+only to stay within `MAX_WIDTH`), so pictures look the same everywhere. `Canvas.grid`
+draws one panel: its cells in their owners' colours with the values written in them, its
+frame and title in its rank's colour. `Canvas.arrow` draws a message as an arc in its
+sender's colour, its label placed where no line passes; `Canvas.legend` explains the
+colours a picture used. Every family of pictures draws on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+
+from ddplab.viz.cells import Owner, Panel, format_value
+from ddplab.viz.palette import COMBINED, EMPTY, line_color, rank_color, text_color, tint
+
+CELL = 0.45  # inches per cell
+GAP = 0.45  # inches between panels
+MAX_WIDTH = 15.0  # inches: wider layouts shrink their cells
+MIN_CELL = 0.25  # inches: below this the numbers are no longer legible
+FONT = 10
+
+
+class Canvas:
+    """Inches-based drawing on one Axes that fills the whole figure."""
+
+    def __init__(self, width: float, height: float, cell: float,
+                 title: str | None = None) -> None:
+        self.cell = cell
+        self.fig = Figure(figsize=(width, height), dpi=100)
+        self.ax = self.fig.add_axes((0, 0, 1, 1))
+        self.ax.set_xlim(0, width)
+        self.ax.set_ylim(0, height)
+        self.ax.set_axis_off()
+        self.owners_seen: set = set()
+        if title:
+            self.ax.text(0.3, height - 0.12, title, ha="left", va="top", fontsize=FONT + 2)
+
+    def grid(self, panel: Panel) -> None:
+        c = self.cell
+        rows, cols = panel.values.shape
+        for i in range(rows):
+            for j in range(cols):
+                x, y = panel.x + j * c, panel.y + (rows - 1 - i) * c
+                self._cell(x, y, panel.owners[i][j])
+                lift = 0.58 if isinstance(panel.owners[i][j], tuple) else 0.5  # above a bar
+                text = format_value(panel.values[i, j])
+                self.ax.text(x + c / 2, y + c * lift, text, ha="center", va="center",
+                             fontsize=_digits_size(text, c))
+        if rows * cols == 0:
+            self.ax.add_patch(Rectangle((panel.x, panel.y), c, c, fill=False, ls=":",
+                                        ec="#777777"))
+        frame = panel.frame or rank_color(panel.rank)
+        self.ax.add_patch(Rectangle((panel.x, panel.y), max(cols, 1) * c, max(rows, 1) * c,
+                                    fill=False, lw=1.6, ec=line_color(frame)))
+        self.ax.text(panel.x, panel.y + max(rows, 1) * c + 0.08, panel.label, ha="left",
+                     va="bottom", fontsize=FONT + 1, fontweight="bold",
+                     color=text_color(frame))
+
+    def _cell(self, x: float, y: float, owner: Owner) -> None:
+        c = self.cell
+        self.owners_seen.add(owner if not isinstance(owner, tuple) else "combined")
+        if owner is None:
+            self.ax.add_patch(Rectangle((x, y), c, c, fc=EMPTY, ec="#BBBBBB", lw=0.8,
+                                        ls="--"))
+            return
+        if isinstance(owner, tuple):  # combined: neutral cell, a bar of its sources' colours
+            self.ax.add_patch(Rectangle((x, y), c, c, fc=COMBINED, ec="none"))
+            bar = c / len(owner)
+            for k, r in enumerate(owner):
+                self.ax.add_patch(Rectangle((x + k * bar, y), bar, c * 0.2, fc=rank_color(r),
+                                            ec="none"))
+        else:
+            self.ax.add_patch(Rectangle((x, y), c, c, fc=tint(rank_color(owner)), ec="none"))
+        self.ax.add_patch(Rectangle((x, y), c, c, fill=False, ec="white", lw=1.0))
+
+    def arrow(self, start: tuple[float, float], end: tuple[float, float], color: str,
+              depth: float = 0.0, label: str | None = None,
+              avoid: list | None = None) -> None:
+        """An arrow that bows `depth` inches to its left (negative: to its right).
+
+        A label goes beside the arc, at the first place along it where its box meets no
+        line and no box of `avoid` (arcs as arrays of points, boxes as (x0, y0, x1, y1));
+        the box it takes is added to `avoid`, so the next label keeps clear of it too.
+        """
+        distance = float(np.hypot(end[0] - start[0], end[1] - start[1])) or 1.0
+        rad = -2 * depth / distance  # arc3's bulge is rad/2 of the distance
+        self.ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14,
+                                          lw=1.8, color=line_color(color), shrinkA=2, shrinkB=2,
+                                          connectionstyle=f"arc3,rad={rad}"))
+        if not label:
+            return
+        avoid = [] if avoid is None else avoid
+        points = arc_points(start, end, depth)
+        outward = 1.0 if points[len(points) // 2][1] >= (start[1] + end[1]) / 2 else -1.0
+        w, h = label_size(label)
+        candidates = []
+        steps = [0.5 + sign * k / 20 for k in range(9) for sign in (1, -1)][1:]  # apex first
+        for side in (outward, -outward):
+            for t in steps:
+                px, py = points[round(t * (len(points) - 1))]
+                y0 = py + 0.05 if side > 0 else py - 0.05 - h
+                candidates.append((px - w / 2, y0, px + w / 2, y0 + h))
+            if side == outward:  # beside the arrow's tail, just off the panels' edge
+                sx, sy = start
+                y0 = sy + 0.02 if outward > 0 else sy - 0.02 - h
+                candidates += [(sx + 0.1, y0, sx + 0.1 + w, y0 + h),
+                               (sx - 0.1 - w, y0, sx - 0.1, y0 + h)]
+        obstacles = [*avoid, points]
+        box = next((b for b in candidates if not any(_hits(b, o) for o in obstacles)),
+                   candidates[0])
+        avoid.append(box)
+        self.ax.text((box[0] + box[2]) / 2, (box[1] + box[3]) / 2, label, ha="center",
+                     va="center", fontsize=FONT - 1, color=text_color(color), zorder=4,
+                     bbox={"fc": "white", "ec": "none", "pad": 0.5})
+
+    def legend(self, ranks: int, names: dict | None = None) -> None:
+        """Explain the colours used; `names` rewords "rank", "combined" or "empty"."""
+        names = {"rank": "rank {}'s data", "combined": "combined from the ranks in its bar",
+                 "empty": "empty buffer", **(names or {})}
+        handles = [Patch(fc=tint(rank_color(r)), ec=line_color(rank_color(r)),
+                         label=names["rank"].format(r))
+                   for r in range(ranks) if r in self.owners_seen]
+        if "combined" in self.owners_seen:
+            handles.append(Patch(fc=COMBINED, ec="#999999", label=names["combined"]))
+        if None in self.owners_seen:
+            handles.append(Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label=names["empty"]))
+        if len(handles) > 1 or "combined" in self.owners_seen or None in self.owners_seen:
+            columns = min(len(handles), max(1, int(self.fig.get_figwidth() // 2.4)))
+            self.ax.legend(handles=row_major(handles, columns), loc="lower left", ncol=columns,
+                           frameon=False, fontsize=FONT - 1, bbox_to_anchor=(0.0, 0.0),
+                           handlelength=1.5, columnspacing=1.2)
+
+
+def _digits_size(text: str, cell: float) -> float:
+    """Font size for a value in a cell: as in every picture, but small enough that four or
+    five digits keep a margin of an eighth of the cell on each side (DejaVu Sans digits
+    are 0.64 em wide)."""
+    fits = 0.75 * cell * 72 / (0.64 * max(len(text), 1))
+    return min(FONT * min(1, cell / CELL) + 0.5, fits)
+
+
+def title_width(title: str | None) -> float:
+    """Inches a title needs (about 0.1 inch a character at its size), plus the margins."""
+    return len(title) * 0.1 + 0.6 if title else 0.0
+
+
+def row_major(handles: list, columns: int) -> list:
+    """Legend entries reordered so that matplotlib, which fills columns first, shows them
+    row by row: rank 0, 1, 2, 3 read left to right, as every picture's panels do."""
+    rows = -(-len(handles) // columns)
+    grid = [handles[r * columns:(r + 1) * columns] for r in range(rows)]
+    return [row[c] for c in range(columns) for row in grid if c < len(row)]
+
+
+def cell_size(total_cells: float, gaps: float) -> float:
+    """Inches a cell gets: `CELL`, less where a row of `total_cells` cells and `gaps` inches
+    between panels would pass `MAX_WIDTH`, never under `MIN_CELL`."""
+    return min(CELL, max(MIN_CELL, (MAX_WIDTH - gaps) / max(total_cells, 1)))
+
+
+def check_width(panels: list[Panel]) -> None:
+    """Refuse a tensor too long to draw legibly, with what to draw instead."""
+    widest = max(panels, key=lambda p: p.width)
+    if widest.width * MIN_CELL + 0.6 > MAX_WIDTH:
+        raise ValueError(f"rank {widest.rank}'s tensor has {widest.width} values in a row, too "
+                         "many to draw legibly; draw a slice instead, e.g. x[:16]")
+
+
+def row_layout(rows: list[list[Panel]], titles: list[str | None], title: str | None,
+                legend_ranks: int, between: float = 0.0, room_above: float = 0.0,
+                room_below: float = 0.0, legend_names: dict | None = None) -> Canvas:
+    """Place rows of panels top to bottom and return a canvas with them drawn.
+
+    `room_above` / `room_below` are extra space (inches) for arrows that arc there.
+    """
+    widest = max(sum(max(p.width, 1) for p in row) for row in rows)
+    per_row = max(len(row) for row in rows)
+    cell = cell_size(widest, GAP * (per_row - 1) + 0.6)
+    row_heights = [max(max(p.height, 1) for p in row) * cell + 0.35 for row in rows]
+    width = max(max(sum(max(p.width, 1) * cell for p in row) + GAP * (len(row) - 1)
+                    for row in rows) + 0.6, title_width(title))
+    entries = legend_ranks + 2  # at most: each rank, "combined", "empty"
+    legend_h = 0.15 + 0.28 * -(-entries // max(1, int(width // 2.4)))
+    title_h = 0.45 if title else 0.1
+    row_title_h = [0.3 if t else 0.0 for t in titles]
+    height = (title_h + sum(row_heights) + sum(row_title_h) + between * (len(rows) - 1)
+              + legend_h + 0.1 + room_above + room_below)
+    canvas = Canvas(width, height, cell, title)
+    y = height - title_h - room_above
+    for row, row_title, rh, th in zip(rows, titles, row_heights, row_title_h, strict=True):
+        if row_title:
+            canvas.ax.text(0.3, y - 0.02, row_title, ha="left", va="top", fontsize=FONT,
+                           color="#444444", style="italic", zorder=5,
+                           bbox={"fc": "white", "ec": "none", "pad": 1.5})
+        y -= th + rh
+        x = 0.3
+        for panel in row:
+            panel.x, panel.y = x, y
+            canvas.grid(panel)
+            x += max(panel.width, 1) * cell + GAP
+        y -= between
+    canvas.legend(legend_ranks, legend_names)
+    return canvas
+
+
+def label_size(text: str, size: float = FONT - 1) -> tuple[float, float]:
+    """About the inches a line of text takes (DejaVu Sans: 0.6 em a character)."""
+    return len(text) * size * 0.6 / 72 + 0.06, size * 1.3 / 72 + 0.04
+
+
+def arc_points(start: tuple[float, float], end: tuple[float, float], depth: float,
+                n: int = 61) -> np.ndarray:
+    """Points along the arc `Canvas.arrow` draws (matplotlib's arc3: a quadratic Bézier
+    whose control point is twice as far out as the apex)."""
+    (x1, y1), (x2, y2) = start, end
+    distance = float(np.hypot(x2 - x1, y2 - y1)) or 1.0
+    rad = -2 * depth / distance
+    control = np.array([(x1 + x2) / 2 + rad * (y2 - y1), (y1 + y2) / 2 - rad * (x2 - x1)])
+    t = np.linspace(0, 1, n)[:, None]
+    return (1 - t) ** 2 * np.array(start) + 2 * t * (1 - t) * control + t ** 2 * np.array(end)
+
+
+def _hits(box: tuple, obstacle) -> bool:
+    """Does `box` (x0, y0, x1, y1) meet an obstacle: another box, or a line of points?"""
+    x0, y0, x1, y1 = box
+    if isinstance(obstacle, tuple):
+        a0, b0, a1, b1 = obstacle
+        return x0 < a1 and a0 < x1 and y0 < b1 and b0 < y1
+    p = obstacle
+    return bool(np.any((p[:, 0] > x0 - 0.03) & (p[:, 0] < x1 + 0.03)
+                       & (p[:, 1] > y0 - 0.03) & (p[:, 1] < y1 + 0.03)))

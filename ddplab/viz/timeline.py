@@ -1,0 +1,182 @@
+"""Time: what each rank did, and in which order.
+
+`show_timeline` draws stretches of each rank's time against a clock the ranks share,
+working solid and waiting (in a collective the others have not joined) hatched, with
+events such as an error marked: who was late, who waited, who failed first.
+`show_flight` draws the order the ranks' flight recorders kept, one row per collective
+sequence number, framing the first where the ranks disagree: where they parted ways.
+
+A flight recorder is drawn from records, plain data (a rank, its collectives, the last
+one completed), that `ddplab.flight` reads from torch's dumps: reading dumps is the
+toolbox's business, and the picture language imports neither the pool engine (which takes
+the dumps) nor torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from ddplab.viz.canvas import CELL, FONT, Canvas
+from ddplab.viz.palette import EMPTY, rank_color, text_color, tint
+
+
+@dataclass(frozen=True)
+class Span:
+    """A stretch of one rank's time: working (solid) or waiting in a collective (hatched).
+
+    `lane` splits a rank's row in two or more ("backward", "all_reduce") where things
+    happen at the same time on one rank, as DDP's communication overlaps its computation.
+    """
+
+    rank: int
+    start: float  # seconds, on a clock all ranks share (time.monotonic() on one machine)
+    end: float
+    label: str
+    waiting: bool = False
+    lane: str = ""
+
+
+def _time_step(length: float) -> float:
+    """A round tick spacing giving about five ticks over `length` seconds: whole seconds
+    from 5 s up, 1, 2 or 5 times a power of ten below."""
+    if length >= 5:
+        return max(1, round(length / 5))
+    raw = max(length, 1e-9) / 5
+    power = 10 ** np.floor(np.log10(raw))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+
+
+def _time_text(seconds: float, step: float) -> str:
+    if step >= 1:
+        return f"{seconds:g} s"
+    return f"{seconds * 1e3:.{max(0, -int(np.floor(np.log10(step * 1e3))))}f} ms"
+
+
+def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]] = (), *,
+                  title: str | None = None) -> Figure:
+    """What each rank did, and when: one lane per rank (or per rank and `Span.lane`), time
+    from left to right.
+
+    Working spans are solid in the rank's colour, waiting spans (inside a collective that
+    others have not joined) hatched; `marks` are (rank, time, text) events such as an
+    error, drawn as a red cross with the text beside it. Times are shifted so the first
+    span starts at 0; the axis counts seconds, or milliseconds for a timeline under 5 s.
+    """
+    if not spans:
+        raise ValueError("no spans to draw")
+    t0 = min(s.start for s in spans)
+    t1 = max([s.end for s in spans] + [t for _, t, _ in marks])
+    # Lanes by rank, and within a rank in the order their first span comes in `spans`.
+    seen = list(dict.fromkeys((s.rank, s.lane) for s in spans))
+    lanes = sorted(seen + [(r, "") for r, _, _ in marks if not any(s.rank == r for s in spans)],
+                   key=lambda key: (key[0], seen.index(key) if key in seen else 0))
+    named = any(lane for _, lane in lanes)
+    lane, left, scale = 0.55, 0.9 + (1.0 if named else 0), 9.0 / max(t1 - t0, 1e-9)
+    top = 0.25 + (0.35 if title else 0)
+    width, height = left + 9.0 + 1.9, top + lane * len(lanes) + 0.75
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+
+    def x(t: float) -> float:
+        return left + (t - t0) * scale
+
+    def y(rank: int, name: str = "") -> float:
+        where = (rank, name) if (rank, name) in lanes else next(k for k in lanes if k[0] == rank)
+        return height - top - (lanes.index(where) + 1) * lane
+
+    for rank, name in lanes:
+        ax.text(left - 0.1, y(rank, name) + lane / 2, f"rank {rank}" + (f" · {name}" if name
+                                                                        else ""),
+                ha="right", va="center", fontsize=FONT, fontweight="bold",
+                color=text_color(rank_color(rank)))
+    for s in spans:
+        color = rank_color(s.rank)
+        ax.add_patch(Rectangle((x(s.start), y(s.rank, s.lane) + 0.1),
+                               max((s.end - s.start) * scale, 0.02), lane - 0.2,
+                               fc=tint(color, 0.8 if s.waiting else 0.35), ec=color,
+                               hatch="///" if s.waiting else None, lw=0.8))
+        if (s.end - s.start) * scale > 0.085 * len(s.label) + 0.15:  # only where it fits
+            ax.text(x(s.start) + 0.05, y(s.rank, s.lane) + lane / 2, s.label, ha="left",
+                    va="center", fontsize=FONT - 1,
+                    bbox={"fc": "white", "ec": "none", "alpha": 0.75, "pad": 1})
+    for rank, t, text in marks:
+        ax.plot([x(t)], [y(rank) + lane / 2], marker="x", ms=9, mew=2.2, color="#C00000")
+        ax.text(x(t) + 0.12, y(rank) + lane / 2, text, ha="left", va="center",
+                fontsize=FONT - 1, color="#C00000")
+    base = height - top - lane * len(lanes) - 0.05
+    ax.plot([left, left + 9.0], [base, base], color="#555555", lw=0.8)
+    step = _time_step(t1 - t0)
+    for k in range(int((t1 - t0) / step + 1e-9) + 1):
+        ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
+        ax.text(x(t0 + k * step), base - 0.1, _time_text(k * step, step), ha="center",
+                va="top", fontsize=FONT - 1)
+    return canvas.fig
+
+
+def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -> Figure:
+    """The ranks' flight recorders side by side: who issued which collective, and who stopped.
+
+    `records` holds one record per rank, as `ddplab.flight.parse` reads it from the rank's
+    dump (`RankError.flight` maps each rank to its dump): `[flight.parse(rank, dump) for
+    rank, dump in err.flight.items()]`. One column per rank, in rank order, one row per
+    collective of the default group (its sequence number on the left), the last `last` of
+    them. A cell is the collective that rank issued under that number, in the rank's
+    colour; a white cell means the rank never issued it. A row where the ranks issued
+    different collectives is framed in red: the first such row is where the bug is.
+    Hatched cells never completed.
+    """
+    if isinstance(records, Mapping):
+        raise TypeError("show_flight draws the ranks' records, not their dumps: pass "
+                        "[flight.parse(rank, dump) for rank, dump in dumps.items()]")
+    records = sorted(records, key=lambda record: record.rank)
+    if not records:
+        raise ValueError("no flight recorder records to draw")
+    seqs = sorted({e.seq for r in records for e in r.entries})[-last:]
+    col, row, left, top = 1.9, 0.5, 0.6, 0.75 + (0.35 if title else 0)
+    width = left + col * len(records) + 0.3
+    height = top + row * max(len(seqs), 1) + 0.75
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    for j, record in enumerate(records):
+        x = left + j * col
+        ax.text(x + col / 2, height - top + 0.12, f"rank {record.rank}", ha="center",
+                va="bottom", fontsize=FONT + 1, fontweight="bold",
+                color=text_color(rank_color(record.rank)))
+    for i, seq in enumerate(seqs):
+        y = height - top - (i + 1) * row
+        ax.text(left - 0.1, y + row / 2, f"#{seq}", ha="right", va="center", fontsize=FONT)
+        seen = set()
+        for j, record in enumerate(records):
+            x, entry = left + j * col, record.at(seq)
+            if entry is None:
+                ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1, fc=EMPTY,
+                                       ec="#BBBBBB", ls="--", lw=0.8))
+                ax.text(x + col / 2, y + row / 2, "never issued", ha="center", va="center",
+                        fontsize=FONT - 1, color="#777777")
+                continue
+            seen.add(entry.describe().split(" ", 1)[1])
+            done = seq <= record.last_completed
+            ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1,
+                                   fc=tint(rank_color(record.rank)), ec="none"))
+            if not done:
+                ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1, fill=False,
+                                       hatch="///", ec=text_color(rank_color(record.rank)), lw=0))
+            shape = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in entry.sizes)
+            ax.text(x + col / 2, y + row / 2, f"{entry.op} {shape}", ha="center",
+                    va="center", fontsize=FONT - 0.5,
+                    bbox={"fc": "white", "ec": "none", "alpha": 0.7, "pad": 1} if not done
+                    else None)
+        if len(seen) > 1:
+            ax.add_patch(Rectangle((left, y + 0.02), col * len(records), row - 0.04,
+                                   fill=False, ec="#C00000", lw=2.2))
+    handles = [Patch(fc="white", ec="#555555", hatch="///", label="issued, never completed"),
+               Patch(fc="white", ec="#C00000", lw=2, label="the ranks disagree"),
+               Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="never issued")]
+    ax.legend(handles=handles, loc="lower left", ncol=3, frameon=False, fontsize=FONT - 1,
+              bbox_to_anchor=(0.0, 0.0), handlelength=1.5, columnspacing=1.2)
+    return canvas.fig

@@ -1,0 +1,214 @@
+"""Topology: where the ranks run, and how they find each other.
+
+Boxes rather than tensors: machines (nodes) holding their devices, each labelled with its
+global and local rank (`show_cluster`); the processes as a launcher placed them, with what
+it told each one (`show_launch`); the rendezvous store, each key in the colour of the rank
+that wrote it (`show_store`); a 2-D device mesh and the groups along each of its
+dimensions (`show_mesh`). A rank keeps its colour here too, so the box of rank 2 has the
+colour of rank 2's tensors in every other picture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from ddplab.viz.canvas import CELL, FONT, GAP, MAX_WIDTH, Canvas, title_width
+from ddplab.viz.palette import line_color, rank_color, tint
+
+
+def show_cluster(nodes: int, devices_per_node: int, *, title: str | None = None,
+                 device: str = "GPU", names: Sequence[str] | None = None,
+                 master: str | None = None) -> Figure:
+    """Machines (nodes) as boxes holding their devices, each labelled with its ranks.
+
+    Global rank = node * devices_per_node + local rank: the layout every launcher uses.
+    `names` labels the nodes with their host names; `master` ("addr:port") marks node
+    rank 0 as the one that hosts the rendezvous, with a heavier frame and its address.
+    """
+    if nodes < 1 or devices_per_node < 1:
+        raise ValueError("need at least one node and one device per node")
+    if names is not None and len(names) != nodes:
+        raise ValueError(f"names: {len(names)} names for {nodes} nodes")
+    box_w, box_h, pad = 0.92, 0.9, 0.12
+    node_w = devices_per_node * (box_w + pad) + pad
+    node_h = box_h + 2 * pad + 0.3
+    per_row = max(1, int((MAX_WIDTH - 0.6) // (node_w + GAP)))
+    rows = -(-nodes // per_row)
+    width = max(min(nodes, per_row) * (node_w + GAP) - GAP + 0.6, title_width(title))
+    below = 0.55 if master else 0.25  # room under each row for the master's address
+    height = rows * (node_h + below) + (0.5 if title else 0.15) + 0.1
+    canvas = Canvas(width, height, CELL, title)
+    fig, ax = canvas.fig, canvas.ax
+    top = height - (0.5 if title else 0.15)
+    for node in range(nodes):
+        nx = 0.3 + (node % per_row) * (node_w + GAP)
+        ny = top - (node // per_row + 1) * (node_h + below) + below
+        is_master = master is not None and node == 0
+        ax.add_patch(Rectangle((nx, ny), node_w, node_h, fc="#F7F7F7",
+                               ec="#222222" if is_master else "#555555",
+                               lw=2.6 if is_master else 1.2))
+        label = f"{names[node]} · node_rank {node}" if names else f"node {node}"
+        ax.text(nx + 0.1, ny + node_h - 0.06, label + (" · master" if is_master else ""),
+                ha="left", va="top", fontsize=FONT, fontweight="bold", color="#333333")
+        if is_master:
+            ax.text(nx + node_w / 2, ny - 0.08, f"MASTER_ADDR:MASTER_PORT = {master}",
+                    ha="center", va="top", fontsize=FONT - 1, color="#222222")
+        for local in range(devices_per_node):
+            rank = node * devices_per_node + local
+            bx = nx + pad + local * (box_w + pad)
+            by = ny + pad
+            ax.add_patch(Rectangle((bx, by), box_w, box_h, fc=tint(rank_color(rank)),
+                                   ec=line_color(rank_color(rank)), lw=1.4))
+            ax.text(bx + box_w / 2, by + box_h - 0.1, f"{device} {local}", ha="center",
+                    va="top", fontsize=FONT - 1, color="#444444")
+            ax.text(bx + box_w / 2, by + box_h / 2 - 0.04, f"rank {rank}", ha="center",
+                    va="center", fontsize=FONT + 1, fontweight="bold")
+            ax.text(bx + box_w / 2, by + 0.1, f"local_rank {local}", ha="center",
+                    va="bottom", fontsize=FONT - 2, color="#444444")
+    return fig
+
+
+def show_launch(nodes: Sequence[tuple[str, Sequence[tuple[int, Sequence[str]]]]], *,
+                title: str | None = None) -> Figure:
+    """Processes as a launcher placed them: nodes as boxes holding one box per process.
+
+    `nodes` is a list of (label, processes), each process a (rank, lines) pair: its global
+    rank, which colours it, and the lines written in its box (what it was told, e.g.
+    "RANK=1"; the first is drawn bold). Made from the variables the processes report, the
+    picture shows where each rank runs and what its launcher told it.
+    """
+    if not nodes or any(not processes for _, processes in nodes):
+        raise ValueError("need at least one node, each with at least one process")
+    lines_max = max(len(lines) for _, processes in nodes for _, lines in processes)
+    box_ws = [max(1.0, max(len(line) for _, lines in processes for line in lines) * 0.085 + 0.3)
+              for _, processes in nodes]  # each node's boxes as wide as its longest line
+    pad, line_h = 0.15, 0.22
+    box_h = lines_max * line_h + 0.2
+    label_h = 0.3
+    widths = [max(len(processes) * (box_w + pad) + pad, len(label) * 0.09 + 0.3)
+              for (label, processes), box_w in zip(nodes, box_ws, strict=True)]
+    rows, row, used = [], [], 0.6
+    for i, w in enumerate(widths):  # wrap nodes into rows that fit MAX_WIDTH
+        if row and used + GAP + w > MAX_WIDTH:
+            rows.append(row)
+            row, used = [], 0.6
+        used += (GAP if row else 0) + w
+        row.append(i)
+    rows.append(row)
+    node_h = label_h + box_h + 2 * pad
+    top_h = 0.5 if title else 0.15
+    width = max(max(sum(widths[i] for i in r) + GAP * (len(r) - 1) for r in rows) + 0.6,
+                title_width(title))
+    height = top_h + len(rows) * node_h + (len(rows) - 1) * 0.25 + 0.15
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    for k, r in enumerate(rows):
+        x, y = 0.3, height - top_h - (k + 1) * node_h - k * 0.25
+        for i in r:
+            label, processes = nodes[i]
+            ax.add_patch(Rectangle((x, y), widths[i], node_h, fc="#F7F7F7", ec="#555555",
+                                   lw=1.2))
+            ax.text(x + 0.1, y + node_h - 0.07, label, ha="left", va="top", fontsize=FONT,
+                    fontweight="bold", color="#333333")
+            box_w = box_ws[i]
+            for j, (rank, lines) in enumerate(processes):
+                bx, by = x + pad + j * (box_w + pad), y + pad
+                color = rank_color(int(rank))
+                ax.add_patch(Rectangle((bx, by), box_w, box_h, fc=tint(color),
+                                       ec=line_color(color), lw=1.4))
+                for n, line in enumerate(lines):
+                    ax.text(bx + box_w / 2, by + box_h - 0.1 - (n + 0.5) * line_h, line,
+                            ha="center", va="center", fontsize=FONT - (0 if n == 0 else 1),
+                            fontweight="bold" if n == 0 else "normal",
+                            color="#111111" if n == 0 else "#333333")
+            x += widths[i] + GAP
+    return canvas.fig
+
+
+def show_store(entries: Sequence[tuple[str, object, int]], *,
+               title: str | None = None) -> Figure:
+    """A key-value store as a table: (key, value, writer rank), each row in its writer's colour.
+
+    This is what rendezvous is: ranks writing and reading small keys in a shared store.
+    """
+    key_w = max([len(str(k)) for k, _, _ in entries] + [3]) * 0.09 + 0.3
+    val_w = max([len(str(v)) for _, v, _ in entries] + [5]) * 0.09 + 0.3
+    who_w = 1.0
+    row_h = 0.32
+    width = max(key_w + val_w + who_w + 0.6, title_width(title))
+    height = (len(entries) + 1) * row_h + (0.5 if title else 0.15) + 0.15
+    canvas = Canvas(width, height, CELL, title)
+    fig, ax = canvas.fig, canvas.ax
+    y = height - (0.5 if title else 0.15) - row_h
+    columns = ((0.3, key_w, "key"), (0.3 + key_w, val_w, "value"),
+               (0.3 + key_w + val_w, who_w, "written by"))
+    for x, _, name in columns:
+        ax.text(x + 0.1, y + row_h / 2, name, ha="left", va="center", fontsize=FONT,
+                fontweight="bold", color="#333333")
+    for key, value, rank in entries:
+        y -= row_h
+        cells = (str(key), str(value), f"rank {rank}")
+        for (x, w, _), text, mono in zip(columns, cells, (True, True, False), strict=True):
+            ax.add_patch(Rectangle((x, y), w, row_h, fc=tint(rank_color(rank)), ec="white"))
+            ax.text(x + 0.1, y + row_h / 2, text, ha="left", va="center", fontsize=FONT,
+                    family="monospace" if mono else None)
+    return fig
+
+
+def show_mesh(mesh: Sequence[Sequence[int]], *, dim_names: Sequence[str] = ("dim 0", "dim 1"),
+              title: str | None = None) -> Figure:
+    """A 2-D device mesh: `mesh[i][j]` is the rank at coordinates (i, j).
+
+    Ranks that share a row form one group along dimension 1 and are joined by solid
+    links; ranks that share a column form one group along dimension 0, joined by dashed
+    links. Each group is named at the end of its row or column, so the picture answers
+    "who talks to whom along each dimension" (what `DeviceMesh.get_group(dim)` returns).
+    """
+    grid = [[int(r) for r in row] for row in mesh]
+    if not grid or not grid[0] or any(len(row) != len(grid[0]) for row in grid):
+        raise ValueError("mesh must be a non-empty 2-D list of ranks with rows of equal length")
+    if len(dim_names) != 2:
+        raise ValueError(f"a 2-D mesh needs two dim_names, got {len(dim_names)}")
+    dim0, dim1 = (str(name) for name in dim_names)
+    rows, cols = len(grid), len(grid[0])
+    box_w, box_h, hgap, vgap = 1.1, 0.8, 0.9, 0.75
+    label_w = max(len(f"{dim1} group {grid[0]}"), 10) * 0.085 + 0.3
+    width = max(0.3 + cols * box_w + (cols - 1) * hgap + 0.3 + label_w, title_width(title))
+    height = (0.55 if title else 0.2) + rows * box_h + (rows - 1) * vgap + 0.75
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    top = height - (0.55 if title else 0.2)
+
+    def corner(i: int, j: int) -> tuple[float, float]:
+        return 0.3 + j * (box_w + hgap), top - (i + 1) * box_h - i * vgap
+
+    link = {"color": "#444444", "lw": 2.2, "solid_capstyle": "butt"}
+    for i in range(rows):
+        for j in range(cols):
+            x, y = corner(i, j)
+            rank = grid[i][j]
+            ax.add_patch(Rectangle((x, y), box_w, box_h, fc=tint(rank_color(rank)),
+                                   ec=line_color(rank_color(rank)), lw=1.6))
+            ax.text(x + box_w / 2, y + box_h * 0.6, f"rank {rank}", ha="center",
+                    va="center", fontsize=FONT + 1, fontweight="bold")
+            ax.text(x + box_w / 2, y + box_h * 0.22, f"({i}, {j})", ha="center",
+                    va="center", fontsize=FONT - 1, color="#444444")
+            if j + 1 < cols:  # along dimension 1: solid, to the right neighbour
+                ax.plot([x + box_w, x + box_w + hgap], [y + box_h / 2] * 2, **link)
+                ax.text(x + box_w + hgap / 2, y + box_h / 2 + 0.06, dim1, ha="center",
+                        va="bottom", fontsize=FONT - 1, color="#444444")
+            if i + 1 < rows:  # along dimension 0: dashed, to the neighbour below
+                ax.plot([x + box_w / 2] * 2, [y, y - vgap], ls=(0, (3, 2)), **link)
+                ax.text(x + box_w / 2 + 0.08, y - vgap / 2, dim0, ha="left", va="center",
+                        fontsize=FONT - 1, color="#444444")
+        x, y = corner(i, cols - 1)
+        ax.text(x + box_w + 0.3, y + box_h / 2, f"{dim1} group {grid[i]}", ha="left",
+                va="center", fontsize=FONT, color="#333333")
+    for j in range(cols):
+        x, y = corner(rows - 1, j)
+        ax.text(x + box_w / 2, y - 0.15, f"{dim0} group\n{[row[j] for row in grid]}",
+                ha="center", va="top", fontsize=FONT, color="#333333")
+    return canvas.fig
