@@ -1,25 +1,18 @@
-"""The flight recorder, read: which rank is behind, and at which collective.
+"""The flight recorder, read: which rank is behind, and at which collective (chapter 7).
 
 torch keeps, in every process, a ring buffer of the last collectives each process group
-issued (the "flight recorder"; on by default, `TORCH_FR_BUFFER_SIZE` entries). Each entry
-has the group's sequence number of the collective, its name ("gloo:all_reduce"), its
-tensors' sizes and its state; each group also has its last enqueued and last completed
-sequence numbers. Dumps from all ranks, side by side, answer the first question of any
-hang: did every rank issue the same collectives, and who stopped where?
-
-When a pool call hangs, the pool takes a dump from every rank of the call before it stops
-them (`RankError.flight`: rank -> the dump, torch's JSON text), and the report says what
-the dumps show. torch ships an analysis tool for dumps (`python -m
-torch.distributed.flight_recorder.fr_trace`), written for NCCL's; in torch 2.13 it fails
-on gloo's dumps with a KeyError, so the kit reads them itself:
+issued (the "flight recorder"). When a pool call hangs, the pool takes a dump from every
+rank of the call before it stops them (`RankError.flight`: rank -> the dump, torch's JSON
+text); `ddplab.pool.kernel.flightrecorder` says what is in a dump and why the kit reads
+them itself. This is the learner's side of it:
 
     parse(rank, dump)   # one rank's dump as a Record: its collectives, oldest first
     verdict(dumps)      # one sentence on what the dumps show ("" when nothing is wrong)
     table(dumps)        # the last collectives of every rank, side by side
 
-`parse` and `verdict` are the pool's own (`ddplab.pool.kernel.flightrecorder`, where the
-pool's hang report uses them: the engine imports nothing of this toolbox); this module,
-chapter 7's, adds `table`. Kernel side: no torch.
+`parse` and `verdict` are the pool's own, imported from the engine (where the pool's hang
+report uses them: the engine imports nothing of this toolbox); this module adds `table`.
+Kernel side: no torch.
 """
 
 from __future__ import annotations
