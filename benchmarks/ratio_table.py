@@ -13,6 +13,7 @@ import statistics
 from collections.abc import Sequence
 from importlib import metadata
 
+from ddplab.bench import cpu_name
 from ddplab.tables import format_table
 
 MIN_REPEATS = 9
@@ -53,24 +54,11 @@ def repeats(text: str) -> int:
     return n
 
 
-def cpu_name() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one), or "unknown CPU"."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def machine() -> str:
-    """One line naming the machine: CPU, its cores, Python and torch (not imported here)."""
+    """One line naming the machine: CPU, its cores, Python and the installed torch release."""
     try:
         torch = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch = "not installed"
-    return (f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+    return (f"CPU {cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"torch {torch}")

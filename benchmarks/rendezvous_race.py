@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ratio_table import cpu_name, repeats, report, spread  # beside this script
+from ratio_table import machine, repeats, report, spread  # beside this script
 
 SLOW = 0.3  # seconds over the fastest start: a connect back-off, not noise
 
@@ -56,7 +56,7 @@ def main() -> None:
     contenders = {f"Pool({n}), init_method='env': the pool joins": "env",
                   f"Pool({n}), init_method='tcp': the pool joins": "tcp",
                   f"Pool({n}, init_method=None), then env:// on every rank by hand": None}
-    print(f"{cpu_name()}, world size {n}, {a.repeats} starts per contender (interleaved), "
+    print(f"{machine()}; world size {n}, {a.repeats} starts per contender (interleaved), "
           "forkserver warm", flush=True)
     for method in contenders.values():  # warm the forkserver, and each path once
         _pool_start(n, method)

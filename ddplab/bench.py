@@ -203,13 +203,14 @@ def machine() -> str:
     if backend == "nccl":
         where = f"GPU {torch.cuda.get_device_name()}"
     else:
-        where = f"CPU {_cpu_name()} ({os.cpu_count()} cores)"
+        where = f"CPU {cpu_name()} ({os.cpu_count()} cores)"
     plural = "s" if ranks != 1 else ""
     return (f"{backend}, {ranks} rank{plural}, {where}, torch {torch.__version__}, "
             f"{platform.system()} {platform.machine()}")
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one), or "unknown"."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -172,7 +172,7 @@ def init_process_group() -> None:
         # server per port and process), so it is this server, and the rendezvous below is
         # exactly a script's. Once the group holds the store, ours is let go: a group
         # destroyed later closes its server as it would in a script.
-        server = dist.TCPStore("127.0.0.1", spec["store_port"], spec["world_size"],
+        server = dist.TCPStore("127.0.0.1", int(spec["env"]["MASTER_PORT"]), spec["world_size"],
                                is_master=True, multi_tenant=True, wait_for_workers=False,
                                master_listen_fd=store_fd, timeout=kwargs["timeout"])
     try:

@@ -127,7 +127,6 @@ class Processes:
             "init_url": rendezvous["url"], "pg_timeout": setup.pg_timeout,
             "threads": setup.threads, "cwd": os.getcwd(), "sys_path": list(sys.path),
             "env": rank_env(env, index, setup.world_size, rendezvous["port"]),
-            "store_port": rendezvous["port"],
         }
         # Rank 0 serves the group's TCPStore from the socket already listening (if any).
         store = [rendezvous["listener"].fileno()] if index == 0 and rendezvous["listener"] else []
