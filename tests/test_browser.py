@@ -151,9 +151,14 @@ def test_the_explorer_and_the_stepper_work_in_a_real_lab(lab, browser, tmp_path)
     browser.get(lab.url("/lab/tree/explorer.ipynb"))
     wait = WebDriverWait(browser, 90)
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell"))
-    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator"
-                                                          "[data-status='idle']")
-               or d.find_elements(By.XPATH, "//*[contains(text(), 'Idle')]"))
+
+    def idle(d):  # a kernel dialog shown while the lab starts must not stall the wait
+        _accept_kernel_choice(d)
+        return (d.find_elements(By.CSS_SELECTOR,
+                                ".jp-Notebook-ExecutionIndicator[data-status='idle']")
+                or d.find_elements(By.XPATH, "//*[contains(text(), 'Idle')]"))
+
+    wait.until(idle)
     _run_all_cells(browser)
 
     # The panel renders, with the first run's result: all_reduce SUM of arange on 2 ranks.
