@@ -133,6 +133,39 @@ def _whoami_prints():
     print(f"rank {dist.get_rank()} of {dist.get_world_size()}")
 
 
+_TWO_NODES = f"place({['node02'] * 4 + ['node03'] * 4})"  # 1.3's first layout, as checks name it
+
+
+def _blocks_of_rank_0s_size(hosts):
+    """1.3, wrong: assumes blocks as large as rank 0's node (true under torchrun only)."""
+    per = hosts.count(hosts[0])
+    return [(r // per, r % per) for r in range(len(hosts))]
+
+
+def _nodes_by_name(hosts):
+    """1.3, wrong: numbers the nodes in the alphabetical order of their names."""
+    names = sorted(set(hosts))
+    return [(names.index(h), hosts[:r].count(h)) for r, h in enumerate(hosts)]
+
+
+def _global_as_local(hosts):
+    """1.3, wrong: takes the global rank for the local one."""
+    order = list(dict.fromkeys(hosts))
+    return [(order.index(h), r) for r, h in enumerate(hosts)]
+
+
+def _local_from_one(hosts):
+    """1.3, wrong: counts the rank itself, so local ranks start at 1."""
+    order = list(dict.fromkeys(hosts))
+    return [(order.index(h), hosts[:r + 1].count(h)) for r, h in enumerate(hosts)]
+
+
+def _node_as_local(hosts):
+    """1.3, wrong: gives every rank of a node the same local rank."""
+    order = list(dict.fromkeys(hosts))
+    return [(order.index(h), order.index(h)) for h in hosts]
+
+
 CHAPTER_1 = [
     ("1.2", _local_rank_is_rank, "on rank 2 your function returned 'rank 2 of 4 (local rank "
      "2)'; expected 'rank 2 of 4 (local rank 0)'. The check runs the 4 ranks as 2 nodes", ""),
@@ -145,18 +178,18 @@ CHAPTER_1 = [
     ("1.1", lambda rank, gpus: [r for r in range(rank // gpus * gpus, (rank // gpus + 1) * gpus)
                                 if r != rank],
      "node_mates(0, gpus_per_node=4) returned [1, 2, 3], which leaves out rank 0 itself", ""),
-    ("1.3", lambda cores, ranks, workers: max(1, cores // ranks), "threads_per_rank(cores=64, "
-     "ranks_per_node=8, workers_per_rank=4) returned 8, as if the workers took no cores",
-     "count the cores the workers take first"),
-    ("1.3", lambda cores, ranks, workers: (cores - ranks * workers) // ranks,
-     "threads_per_rank(cores=8, ranks_per_node=8, workers_per_rank=2) returned -1: every rank "
-     "needs at least one thread", "cannot be less than one"),
-    ("1.3", lambda cores, ranks, workers: max(1, round((cores - ranks * workers) / ranks)),
-     "threads_per_rank(cores=23, ranks_per_node=3, workers_per_rank=2) returned 6: 3 ranks × "
-     "(6 threads + 2 workers) = 24 on 23 cores, oversubscribed", ""),
-    ("1.3", lambda cores, ranks, workers: (cores - ranks * workers) / ranks,
-     "threads_per_rank(cores=64, ranks_per_node=8, workers_per_rank=4) returned 4.0; it should "
-     "be a whole number", "// is integer division"),
+    ("1.3", _blocks_of_rank_0s_size, "place(['a', 'b', 'c', 'a', 'b', 'c']): ranks 0, 3 run on "
+     "the same host 'a', yet they got nodes [0, 1]", "next to each other"),
+    ("1.3", _nodes_by_name, "place(['gpu-b', 'gpu-b', 'gpu-a', 'gpu-a']): the nodes are "
+     "numbered in the alphabetical order of the host names", ""),
+    ("1.3", _global_as_local, f"{_TWO_NODES}: the ranks on host 'node03' got local ranks "
+     "[4, 5, 6, 7], their global ranks", ""),
+    ("1.3", _local_from_one, f"{_TWO_NODES}: the ranks on host 'node02' got local ranks "
+     "[1, 2, 3, 4]; local ranks start at 0", ""),
+    ("1.3", _node_as_local, f"{_TWO_NODES}: ranks 0 and 1 both run on host 'node02' with local "
+     "rank 0: both would drive GPU 0", ""),
+    ("1.3", lambda hosts: None, f"{_TWO_NODES} returned None; it should return a list of 8 "
+     "(node, local_rank) pairs", "go through the ranks in order"),
 ]
 
 CHAPTER_2 = [

@@ -517,3 +517,16 @@ def test_a_legend_stays_on_one_row_where_it_fits_and_wraps_evenly_where_not():
     assert legend_columns(labels, 10.0) == 5  # one row on the page
     assert legend_columns(labels, 7.0) == 3   # two rows: 3 + 2, not 4 + 1
     assert legend_columns(labels[:4], 2.0) == 1
+
+
+def test_rendezvous_draws_an_arrow_per_client_and_a_link_per_pair_within_the_page():
+    fig = viz.show_rendezvous(4, "127.0.0.1:29500", title="rendezvous")
+    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    links = [line for line in fig.axes[0].lines]
+    assert len(arrows) == 3 and len(links) == 6  # ranks 1-3 to rank 0; 4 choose 2
+    assert viz.screen_size(fig)[0] <= 1000
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "store 127.0.0.1:29500" in texts and "rank 3" in texts
+    for size in (1, 7):
+        with pytest.raises(ValueError, match="2 to 6 ranks"):
+            viz.show_rendezvous(size, "127.0.0.1:29500")
