@@ -258,6 +258,20 @@ def _no_grad_at_all(model, x):
     return {name for name, p in model.named_parameters() if p.grad is None}
 
 
+def _forward_only(model, x):
+    """7.4, wrong: without a backward no parameter has a gradient, used or not."""
+    model(x)
+    return {name for name, p in model.named_parameters() if p.requires_grad and p.grad is None}
+
+
+def _ones_whatever_the_input(model, x):
+    """7.4, wrong: runs on its own input, so a gate that depends on x is read wrong."""
+    import torch
+
+    model(torch.ones_like(x)).sum().backward()
+    return {name for name, p in model.named_parameters() if p.requires_grad and p.grad is None}
+
+
 CHAPTER_7 = [
     ("7.1", _first_stuck_rank, "when rank 1 skipped all_reduce, your function named rank 0",
      "not waiting in the skipped collective"),
@@ -270,6 +284,10 @@ CHAPTER_7 = [
      "torch.equal"),
     ("7.4", _no_grad_at_all, "for the same model with that head frozen, your function named "
      "['letters.bias', 'letters.weight']", "a frozen parameter (requires_grad=False)"),
+    ("7.4", _forward_only, "for a model with an unused head, your function named "
+     "['body.bias', 'body.weight', 'digits.bias'", "body.bias does get a gradient"),
+    ("7.4", _ones_whatever_the_input, "for a gated model, negative input, your function named "
+     "['small.bias', 'small.weight']", "can depend on the input"),
 ]
 
 
