@@ -98,8 +98,10 @@ def fit(sizes: Sequence[float], seconds: Sequence[float]) -> Model:
 def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[float]:
     """Run on every rank: ranks 0 and 1 bounce a message of each size; the others wait.
 
-    Returns, on every rank, the one-way time for each size (the median round trip over
-    `iters`, halved: the median shrugs off the odd round trip the machine interrupted).
+    Returns, on every rank, the one-way time for each size: the fastest of `iters` round
+    trips, halved. Other work on the machine only ever adds time to a round trip, so on a
+    busy machine the fastest is the best estimate of what the messages themselves cost (a
+    median there measures the machine's load, and can even fall as messages grow).
     """
     import torch
     import torch.distributed as dist
@@ -121,7 +123,7 @@ def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[fl
                 dist.send(buffer, 0)
             if i >= warmup:
                 rounds.append(time.perf_counter() - start)
-        times.append(sorted(rounds)[len(rounds) // 2] / 2)
+        times.append(min(rounds) / 2)
     shared = torch.tensor(times, dtype=torch.float64)
     dist.broadcast(shared, src=0)  # rank 0's clock measured the round trips
     return shared.tolist()
@@ -132,7 +134,8 @@ def time_all_reduce(algorithm: str, nbytes: int, iters: int = 10, warmup: int = 
     `ddplab.ring.ALGORITHMS`, or "gloo" for `dist.all_reduce` itself).
 
     Each run starts together (a barrier) and ends with the slowest rank (MAX over ranks),
-    as a collective does; the median over `iters` runs is returned on every rank.
+    as a collective does; the fastest of `iters` runs is returned on every rank, the same
+    statistic `ping_pong` takes, so that measurement and prediction compare like with like.
     """
     import torch
     import torch.distributed as dist
@@ -157,7 +160,7 @@ def time_all_reduce(algorithm: str, nbytes: int, iters: int = 10, warmup: int = 
             times.append(time.perf_counter() - start)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.median().item()
+    return slowest.min().item()
 
 
 # --- pictures (matplotlib is imported here only: ranks import this module) ---------------
@@ -193,11 +196,12 @@ def plot_fit(sizes: Sequence[float], seconds: Sequence[float], model: Model):
     fig = Figure(figsize=(7.5, 4.0), dpi=100)
     ax = _log_axes(fig, "one-way time (µs)")
     ax.plot(sizes, [t * 1e6 for t in seconds], "o", ms=5, color="#333333",
-            label="measured: median round trip ÷ 2")
+            label="measured: fastest round trip ÷ 2")
     line = _between(sizes)
     ax.plot(line, [model.message(m) * 1e6 for m in line], "-", color="#000000", lw=1.3,
-            label=f"α + m·β: α = {model.alpha * 1e6:.0f} µs, "
-                  f"1/β = {model.bandwidth / 1e9:.2f} GB/s")
+            label=f"α + m·β: α = {model.alpha * 1e6:.0f} µs, 1/β = "
+                  + (f"{model.bandwidth / 1e9:.2f} GB/s" if model.beta > 0
+                     else "too fast to see at these sizes"))
     fig.legend(loc="lower center", ncol=2, fontsize=9, frameon=False)  # under the axes
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
