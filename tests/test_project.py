@@ -193,3 +193,23 @@ def test_python_m_ddplab_is_the_ddplab_command() -> None:
                             "print('torch' in sys.modules)"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60)
     assert light.stdout.strip() == "False", light.stderr
+
+
+def test_every_committed_picture_fits_the_page_with_legible_labels() -> None:
+    """A notebook column shows a picture at its own size up to about 1,000 px and scales a
+    wider one down, its labels with it (10-point text at 1,455 px shrinks to 6 px). Every
+    picture the chapters commit is drawn at most 1,000 px wide, so nothing shrinks."""
+    wide = []
+    pictures = 0
+    for notebook in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
+        for index, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
+            for output in cell.get("outputs", []):
+                if "image/png" not in output.get("data", {}):
+                    continue
+                pictures += 1
+                shown = output.get("metadata", {}).get("image/png", {}).get("width")
+                assert shown is not None, f"{notebook.name} cell {index}: no display width"
+                if shown > 1000:
+                    wide.append(f"{notebook.name} cell {index}: {shown} px")
+    assert pictures >= 40
+    assert not wide, "wider than the page (1,000 px):\n" + "\n".join(wide)

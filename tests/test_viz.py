@@ -512,3 +512,35 @@ def test_show_overlap_names_every_span_and_its_size_does_not_follow_the_timings(
     assert short.get_size_inches() == pytest.approx(long.get_size_inches())
     with pytest.raises(ValueError, match="no spans"):
         viz.show_overlap([])
+@pytest.mark.parametrize("draw", [
+    lambda: viz.show_ranks([torch.arange(16)] * 8),
+    lambda: viz.show_before_after([torch.arange(16).reshape(4, 4), *[torch.zeros(4)] * 3],
+                                  [torch.arange(4)] * 4, op="dist.scatter(piece, jobs, src=0)"),
+    lambda: viz.show_cluster(3, 4, names=["node02", "node03", "node04"],
+                             master="192.168.0.101:29500"),
+    lambda: viz.show_cluster(8, 8),
+    lambda: viz.show_bars([("a label as long as the longest of the chapters' bar labels", 2.0),
+                           ("and another one, shorter", 1.0)], unit="s",
+                          notes=["", "12x the first"]),
+    lambda: viz.show_timeline([viz.Span(r, 0, 1 + r, "working") for r in range(4)],
+                              [(1, 2.0, "found the others gone")]),
+    lambda: viz.show_launch([(f"node {n}", [(2 * n + k, [f"RANK={2 * n + k}",
+                                                         "SLURM_PROCID=0", "LOCAL_RANK=1"])
+                                            for k in range(2)]) for n in range(3)]),
+    lambda: viz.show_sampler([list(range(r, 24, 4)) for r in range(4)], 24),
+])
+def test_every_family_fits_the_page(draw):
+    """The page is 1,000 px (`MAX_WIDTH` at the figures' 100 dpi): a family lays out what
+    the chapters give it within it (wrapping, shorter bars, smaller cells) rather than
+    leaving the notebook to scale the picture, and its labels, down."""
+    fig = draw()
+    assert viz.screen_size(fig)[0] <= 1000
+
+
+def test_a_legend_stays_on_one_row_where_it_fits_and_wraps_evenly_where_not():
+    from ddplab.viz.canvas import legend_columns
+
+    labels = [f"rank {r}'s data" for r in range(4)] + ["combined from the ranks in its bar"]
+    assert legend_columns(labels, 10.0) == 5  # one row on the page
+    assert legend_columns(labels, 7.0) == 3   # two rows: 3 + 2, not 4 + 1
+    assert legend_columns(labels[:4], 3.0) == 1

@@ -10,13 +10,16 @@ the order they are all-reduced.
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ddplab.viz.canvas import CELL, FONT, Canvas, title_width
+from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, title_width
 from ddplab.viz.palette import tint
+
+MIN_BAR = 3.5  # inches: the longest bar is never shorter, so ratios stay easy to read
 
 
 def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
@@ -34,16 +37,22 @@ def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
         raise ValueError("show_bars draws magnitudes: every value must be 0 or more")
     notes = list(notes or [])
     colors = list(colors or [])
-    row, left = 0.42, max(len(label) for label, _ in values) * 0.085 + 0.4
-    length = 6.0
+    # The bars take what the labels and the values written after them leave on the page,
+    # down to MIN_BAR inches; labels too long for that wrap onto more lines.
+    right = 1.4 + max((_note_length(n) for n in notes), default=0) * 0.075
+    chars = int((MAX_WIDTH - right - MIN_BAR - 0.4) / 0.085)
+    labels = [textwrap.fill(label, chars) for label, _ in values]
+    lines = max(label.count("\n") + 1 for label in labels)
+    row = 0.42 + 0.2 * (lines - 1)
+    left = max(len(line) for label in labels for line in label.split("\n")) * 0.085 + 0.4
     top = 0.2 + (0.35 if title else 0)
-    longest_note = max((_note_length(n) for n in notes), default=0)
-    width = max(left + length + 1.4 + longest_note * 0.075, title_width(title))
+    length = min(6.0, MAX_WIDTH - left - right)
+    width = max(left + length + right, title_width(title))
     height = top + row * len(values) + 0.2
     canvas = Canvas(width, height, CELL, title)
     ax = canvas.ax
     scale = length / max(max(v for _, v in values), 1e-12)
-    for i, (label, value) in enumerate(values):
+    for i, ((_, value), label) in enumerate(zip(values, labels, strict=True)):
         y = height - top - (i + 1) * row
         color = colors[i] if i < len(colors) and colors[i] else "#999999"
         ax.text(left - 0.12, y + row / 2, label, ha="right", va="center", fontsize=FONT)
@@ -122,8 +131,8 @@ def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]
     return canvas.fig
 
 
-BUCKETS_WIDTH = 10.0
-"""Inches `show_buckets` draws: 1,000 screen pixels, a notebook column's width."""
+BUCKETS_WIDTH = MAX_WIDTH
+"""Inches `show_buckets` draws: the page's width, 1,000 screen pixels."""
 BUCKET_SHADES = ("#E3E3E3", "#BDBDBD")
 """Two greys that alternate from bucket to bucket: no rank's colour (see the palette)."""
 BUCKET_FRAME = "#333333"

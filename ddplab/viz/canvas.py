@@ -3,7 +3,11 @@
 Every picture is one matplotlib Axes that fills its figure, with data coordinates in
 inches (`Canvas`), so sizes follow the content: a cell is `CELL` inches whatever the
 picture, and a picture with more ranks is wider, not smaller (`row_layout` shrinks cells
-only to stay within `MAX_WIDTH`), so pictures look the same everywhere. `Canvas.grid`
+only to stay within `MAX_WIDTH`), so pictures look the same everywhere. `MAX_WIDTH` is the
+page: 1,000 px at the figures' 100 dpi, the widest a notebook column shows a picture at its
+own size. A wider one is scaled down to the column, and its 10-point labels with it, to
+5 or 6 px; so every family lays itself out within the page instead (wrapping rows, shorter
+bars, smaller cells), and `tests/test_viz.py` holds each to it. `Canvas.grid`
 draws one panel: its cells in their owners' colours with the values written in them, its
 frame and title in its rank's colour. `Canvas.arrow` draws a message as an arc in its
 sender's colour, its label placed where no line passes; `Canvas.legend` explains the
@@ -21,7 +25,7 @@ from ddplab.viz.palette import COMBINED, EMPTY, line_color, rank_color, text_col
 
 CELL = 0.45  # inches per cell
 GAP = 0.45  # inches between panels
-MAX_WIDTH = 15.0  # inches: wider layouts shrink their cells
+MAX_WIDTH = 10.0  # inches: the page (1,000 px shown); wider layouts wrap or shrink their cells
 MIN_CELL = 0.25  # inches: below this the numbers are no longer legible
 FONT = 10
 
@@ -121,17 +125,17 @@ class Canvas:
 
     def legend(self, ranks: int, names: dict | None = None) -> None:
         """Explain the colours used; `names` rewords "rank", "combined" or "empty"."""
-        names = {"rank": "rank {}'s data", "combined": "combined from the ranks in its bar",
-                 "empty": "empty buffer", **(names or {})}
-        handles = [Patch(fc=tint(rank_color(r)), ec=line_color(rank_color(r)),
-                         label=names["rank"].format(r))
-                   for r in range(ranks) if r in self.owners_seen]
-        if "combined" in self.owners_seen:
-            handles.append(Patch(fc=COMBINED, ec="#999999", label=names["combined"]))
-        if None in self.owners_seen:
-            handles.append(Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label=names["empty"]))
-        if len(handles) > 1 or "combined" in self.owners_seen or None in self.owners_seen:
-            columns = min(len(handles), max(1, int(self.fig.get_figwidth() // 2.4)))
+        handles = []
+        for owner, label in legend_entries(self.owners_seen, ranks, names):
+            if owner == "combined":
+                handles.append(Patch(fc=COMBINED, ec="#999999", label=label))
+            elif owner is None:
+                handles.append(Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label=label))
+            else:
+                handles.append(Patch(fc=tint(rank_color(owner)),
+                                     ec=line_color(rank_color(owner)), label=label))
+        if handles:
+            columns = legend_columns([h.get_label() for h in handles], self.fig.get_figwidth())
             self.ax.legend(handles=row_major(handles, columns), loc="lower left", ncol=columns,
                            frameon=False, fontsize=FONT - 1, bbox_to_anchor=(0.0, 0.0),
                            handlelength=1.5, columnspacing=1.2)
@@ -148,6 +152,54 @@ def _digits_size(text: str, cell: float) -> float:
 def title_width(title: str | None) -> float:
     """Inches a title needs (about 0.1 inch a character at its size), plus the margins."""
     return len(title) * 0.1 + 0.6 if title else 0.0
+
+
+LEGEND_ROW = 0.28  # inches a row of legend entries takes
+
+
+def legend_columns(labels: list[str], width: float) -> int:
+    """How many columns a legend of `labels` takes across `width` inches.
+
+    All in one row where they fit; otherwise as few rows as fit, filled evenly: five
+    entries on two rows are 3 + 2, not 4 + 1 ("rank 3's data" alone on a line reads as
+    something apart). A column is as wide as its widest entry: the patch, the gap to the
+    text and the text (`label_size`), then the spacing.
+    """
+    entries = [label_size(label)[0] + 0.45 for label in labels]
+    for rows in range(1, len(labels) + 1):
+        columns = -(-len(labels) // rows)
+        used = sum(max(entries[c::columns]) for c in range(columns))
+        if used <= width - 0.3:
+            return columns
+    return 1
+
+
+def legend_height(labels: list[str], width: float) -> float:
+    """Inches the legend of `labels` needs at the bottom of a picture `width` inches wide."""
+    if not labels:
+        return 0.1
+    return 0.15 + LEGEND_ROW * -(-len(labels) // legend_columns(labels, width))
+
+
+def legend_entries(owners: set, ranks: int, names: dict | None = None) -> list[tuple]:
+    """The legend for cells of these `owners`: (owner, label) pairs, ranks first in rank
+    order, then "combined" and "empty" where such cells were drawn; none for one rank alone
+    (its panel's frame and title already say whose it is). `names` rewords "rank",
+    "combined" or "empty"."""
+    names = {"rank": "rank {}'s data", "combined": "combined from the ranks in its bar",
+             "empty": "empty buffer", **(names or {})}
+    entries = [(r, names["rank"].format(r)) for r in range(ranks) if r in owners]
+    if "combined" in owners:
+        entries.append(("combined", names["combined"]))
+    if None in owners:
+        entries.append((None, names["empty"]))
+    return entries if len(entries) > 1 or "combined" in owners or None in owners else []
+
+
+def owners_of(panels: list[Panel]) -> set:
+    """The owners a canvas records for these panels' cells (a combined cell as "combined")."""
+    return {"combined" if isinstance(o, tuple) else o
+            for p in panels for row in p.owners for o in row}
 
 
 def row_major(handles: list, columns: int) -> list:
@@ -185,8 +237,9 @@ def row_layout(rows: list[list[Panel]], titles: list[str | None], title: str | N
     row_heights = [max(max(p.height, 1) for p in row) * cell + 0.35 for row in rows]
     width = max(max(sum(max(p.width, 1) * cell for p in row) + GAP * (len(row) - 1)
                     for row in rows) + 0.6, title_width(title))
-    entries = legend_ranks + 2  # at most: each rank, "combined", "empty"
-    legend_h = 0.15 + 0.28 * -(-entries // max(1, int(width // 2.4)))
+    labels = [label for _, label in legend_entries(
+        owners_of([p for row in rows for p in row]), legend_ranks, legend_names)]
+    legend_h = legend_height(labels, width)
     title_h = 0.45 if title else 0.1
     row_title_h = [0.3 if t else 0.0 for t in titles]
     height = (title_h + sum(row_heights) + sum(row_title_h) + between * (len(rows) - 1)

@@ -32,6 +32,8 @@ from ddplab.viz.canvas import (
     cell_size,
     check_width,
     label_size,
+    legend_entries,
+    legend_height,
     row_layout,
     title_width,
 )
@@ -265,7 +267,8 @@ def show_inbox(inbox, senders: Sequence[int], sent: dict, *, receiver: int = 0,
     widths = [as_grid(sent[s]).shape[1] for s in senders]
     right = 0.3 + cols * cell + gap + max(widths) * cell + 1.0
     ranks = max([receiver, *senders]) + 1
-    legend_h = 0.15 + 0.28 * -(-len(set(senders)) // max(1, int(right // 2.4)))
+    legend_h = legend_height([label for _, label in legend_entries(set(senders), ranks)],
+                             max(right, title_width(title)))
     title_h = 0.45 if title else 0.1
     height = title_h + 0.35 + rows * cell + 0.25 + legend_h
     canvas = Canvas(max(right, title_width(title)), height, cell, title)
@@ -292,8 +295,8 @@ def show_inbox(inbox, senders: Sequence[int], sent: dict, *, receiver: int = 0,
     return canvas.fig
 
 
-RING_WIDTH = 10.0
-"""Inches `show_ring` may take: 1,000 screen pixels, a notebook column's width."""
+RING_WIDTH = MAX_WIDTH
+"""Inches `show_ring` may take: the page's width, 1,000 screen pixels."""
 
 
 def show_ring(steps: Sequence[tuple[str, Sequence, Sequence, Sequence[tuple[int, int, int]]]],

@@ -21,7 +21,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ddplab.viz.canvas import CELL, FONT, Canvas, label_size
+from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, label_size
 from ddplab.viz.palette import EMPTY, rank_color, text_color, tint
 
 
@@ -76,9 +76,11 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
     lanes = sorted(seen + [(r, "") for r, _, _ in marks if not any(s.rank == r for s in spans)],
                    key=lambda key: (key[0], seen.index(key) if key in seen else 0))
     named = any(lane for _, lane in lanes)
-    lane, left, scale = 0.55, 0.9 + (1.0 if named else 0), 9.0 / max(t1 - t0, 1e-9)
+    lane, left, right = 0.55, 0.9 + (1.0 if named else 0), 1.9  # right: room for marks' text
+    axis = MAX_WIDTH - left - right  # the time axis takes what the page leaves
+    scale = axis / max(t1 - t0, 1e-9)
     top = 0.25 + (0.35 if title else 0)
-    width, height = left + 9.0 + 1.9, top + lane * len(lanes) + 0.75
+    width, height = left + axis + right, top + lane * len(lanes) + 0.75
     canvas = Canvas(width, height, CELL, title)
     ax = canvas.ax
 
@@ -109,7 +111,7 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
         ax.text(x(t) + 0.12, y(rank) + lane / 2, text, ha="left", va="center",
                 fontsize=FONT - 1, color="#C00000")
     base = height - top - lane * len(lanes) - 0.05
-    ax.plot([left, left + 9.0], [base, base], color="#555555", lw=0.8)
+    ax.plot([left, left + axis], [base, base], color="#555555", lw=0.8)
     step = _time_step(t1 - t0)
     for k in range(int((t1 - t0) / step + 1e-9) + 1):
         ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
@@ -137,7 +139,8 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
     if not records:
         raise ValueError("no flight recorder records to draw")
     seqs = sorted({e.seq for r in records for e in r.entries})[-last:]
-    col, row, left, top = 1.9, 0.5, 0.6, 0.75 + (0.35 if title else 0)
+    row, left, top = 0.5, 0.6, 0.75 + (0.35 if title else 0)
+    col = min(1.9, (MAX_WIDTH - left - 0.3) / len(records))  # five ranks and more share the page
     width = left + col * len(records) + 0.3
     height = top + row * max(len(seqs), 1) + 0.75
     canvas = Canvas(width, height, CELL, title)
@@ -182,8 +185,8 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
     return canvas.fig
 
 
-OVERLAP_WIDTH = 10.0
-"""Inches `show_overlap` draws: 1,000 screen pixels, a notebook column's width."""
+OVERLAP_WIDTH = MAX_WIDTH
+"""Inches `show_overlap` draws: the page's width, 1,000 screen pixels."""
 
 
 def show_overlap(spans: Sequence[Span], *, title: str | None = None) -> Figure:
