@@ -342,6 +342,18 @@ def _busbw_one_factor(op, nbytes, seconds, world_size):
     return nbytes / seconds / 1e9 * 2 * (world_size - 1) / world_size
 
 
+def _busbw_algbw(op, nbytes, seconds, world_size):
+    """8.2, wrong: algbw, no factor at all."""
+    return nbytes / seconds / 1e9
+
+
+def _busbw_receives_everything(op, nbytes, seconds, world_size):
+    """8.2, wrong: right for all_reduce, but every other collective counted as moving all
+    of nbytes through the link (factor 1), as if a rank held none of the result before."""
+    factor = 2 * (world_size - 1) / world_size if op == "all_reduce" else 1
+    return nbytes / seconds / 1e9 * factor
+
+
 def _busbw_gib(op, nbytes, seconds, world_size):
     """8.2, wrong: GiB per second, not nccl-tests' GB."""
     factor = {"all_reduce": 2 * (world_size - 1) / world_size, "broadcast": 1,
@@ -393,8 +405,12 @@ CHAPTER_8 = [
     ("8.1", _all_reduce_itself, "your function called all_reduce", "no collectives"),
     ("8.1", _whole_tensor_ring, "the sum is right, but a rank sent 4800 bytes",
      "sending whole tensors costs (n − 1) · S"),
-    ("8.2", _busbw_one_factor, "busbw('all_gather', 16777216, 0.004, 8) returned 7.34 GB/s; "
-     "nccl-tests would print 3.67", "(n − 1)/n for all_gather"),
+    ("8.2", _busbw_one_factor, "busbw('all_gather', 16777216, 0.004, 8) returned 7.34 GB/s, "
+     "algbw × 1.75; nccl-tests would print 3.67", "which part of it did the rank hold"),
+    ("8.2", _busbw_algbw, "busbw('all_reduce', 67108864, 0.0125, 4) returned 5.369 GB/s, "
+     "which is algbw", "reduce_scatter followed by an all_gather"),
+    ("8.2", _busbw_receives_everything, "busbw('all_gather', 16777216, 0.004, 8) returned "
+     "4.194 GB/s, which is algbw", "which share had to come in"),
     ("8.2", _busbw_gib, "busbw('all_reduce', 67108864, 0.0125, 4) returned 7.5 GB/s", "10⁹"),
     ("8.3", _buckets_strictly_over, "for a last layer of exactly 0.5 MiB", "at least its cap"),
     ("8.3", _buckets_one_cap, "for five linear layers, default caps", "first_cap for the "

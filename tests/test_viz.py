@@ -485,6 +485,36 @@ def test_show_launch_puts_each_process_in_its_node_in_its_rank_colour():
         viz.show_launch([("empty", [])])
 
 
+def test_show_ring_draws_a_row_per_step_and_frames_what_arrived_in_the_senders_colour():
+    steps = [("start", [[0, 1], [10, 11]], [[0, 0], [1, 1]], []),
+             ("step 1", [[0, 12], [10, 11]], [[0, (0, 1)], [1, 1]], [(1, 0, 1)])]
+    fig = viz.show_ring(steps, title="ring")
+    shown = texts(fig)
+    assert {"start", "step 1", "rank 0", "rank 1", "12"} <= set(shown)
+    framed = [p for p in fig.axes[0].patches
+              if isinstance(p, Rectangle) and p.get_linewidth() > 2.5]
+    assert len(framed) == 1  # one arrival, framed in rank 1's colour
+    assert framed[0].get_edgecolor()[:3] == pytest.approx(viz.line_color(viz.rank_color(1)))
+    assert fig.get_figwidth() <= 10.0
+    with pytest.raises(ValueError, match="no steps"):
+        viz.show_ring([])
+
+
+def test_show_overlap_names_every_span_and_its_size_does_not_follow_the_timings():
+    def spans(stretch):
+        return [viz.Span(r, 0.0, 0.001 * stretch, "layer 8", lane="backward") for r in (0, 1)] + [
+            viz.Span(r, 0.001 * stretch, 0.02, "layer 6", lane="backward") for r in (0, 1)] + [
+            viz.Span(r, 0.0011, 0.0015 + 0.01 * k * stretch, f"bucket {k}", waiting=True,
+                     lane="all_reduce") for r in (0, 1) for k in range(3)]
+    short, long = viz.show_overlap(spans(0.1)), viz.show_overlap(spans(1.0))
+    for fig in (short, long):
+        shown = texts(fig)
+        for label in ("layer 8", "layer 6", "bucket 0", "bucket 1", "bucket 2"):
+            assert shown.count(label) == 2, label  # once per rank, fitting or not
+        assert fig.get_figwidth() <= 10.0
+    assert short.get_size_inches() == pytest.approx(long.get_size_inches())
+    with pytest.raises(ValueError, match="no spans"):
+        viz.show_overlap([])
 @pytest.mark.parametrize("draw", [
     lambda: viz.show_ranks([torch.arange(16)] * 8),
     lambda: viz.show_before_after([torch.arange(16).reshape(4, 4), *[torch.zeros(4)] * 3],
