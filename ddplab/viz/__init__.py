@@ -13,9 +13,12 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
   `show_inbox`: each rank's tensor, before and after, with arrows for what moved;
 - topology (`topology`): `show_cluster`, `show_launch`, `show_store`, `show_mesh`: nodes
   and their devices, processes as a launcher placed them, a rendezvous store, a 2-D mesh;
+  `show_agents`, `show_nesting`: torchrun's agents, workers and store, and launchers
+  started inside launchers, with the variable that traps a script drawn in red;
 - data (`data`): `show_digits`, `show_sampler`: MNIST digits, and a sampler's split;
 - time (`timeline`): `show_timeline` (with `Span`), `show_flight`: what each rank did when,
-  and the collectives its flight recorder kept;
+  and the collectives its flight recorder kept; `show_attempts`: an elastic job's attempts,
+  a failure, the restart and the checkpoint that carries it over;
 - bars (`bars`): `show_bars`, `show_buckets`: measured quantities, DDP's buckets by bytes;
 - curves (`curves`): `LossCurves`, each rank's training loss and their average, drawn live
   in the cell while the ranks train.
@@ -40,8 +43,9 @@ from ddplab.viz.data import show_digits, show_sampler
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
 from ddplab.viz.png import png_bytes, screen_size
 from ddplab.viz.tensors import show_before_after, show_inbox, show_ranks, show_steps, show_transfers
-from ddplab.viz.timeline import Span, show_flight, show_timeline
-from ddplab.viz.topology import show_cluster, show_launch, show_mesh, show_store
+from ddplab.viz.timeline import Span, show_attempts, show_flight, show_timeline
+from ddplab.viz.topology import (show_agents, show_cluster, show_launch, show_mesh, show_nesting,
+                                  show_store)
 
 __all__ = [
     "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
@@ -50,4 +54,5 @@ __all__ = [
     "show_cluster", "show_digits", "show_flight", "show_inbox", "show_launch", "show_mesh",
     "show_ranks", "show_sampler", "show_steps", "show_store", "show_timeline", "show_transfers",
     "text_color", "tint",
+    "show_agents", "show_attempts", "show_nesting",
 ]
