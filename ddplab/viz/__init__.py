@@ -44,15 +44,20 @@ from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color,
 from ddplab.viz.png import png_bytes, screen_size
 from ddplab.viz.tensors import show_before_after, show_inbox, show_ranks, show_steps, show_transfers
 from ddplab.viz.timeline import Span, show_attempts, show_flight, show_timeline
-from ddplab.viz.topology import (show_agents, show_cluster, show_launch, show_mesh, show_nesting,
-                                  show_store)
+from ddplab.viz.topology import (
+    show_agents,
+    show_cluster,
+    show_launch,
+    show_mesh,
+    show_nesting,
+    show_store,
+)
 
 __all__ = [
     "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
     "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
-    "rank_color", "screen_size", "show_bars", "show_before_after", "show_buckets",
-    "show_cluster", "show_digits", "show_flight", "show_inbox", "show_launch", "show_mesh",
-    "show_ranks", "show_sampler", "show_steps", "show_store", "show_timeline", "show_transfers",
-    "text_color", "tint",
-    "show_agents", "show_attempts", "show_nesting",
+    "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
+    "show_before_after", "show_buckets", "show_cluster", "show_digits", "show_flight",
+    "show_inbox", "show_launch", "show_mesh", "show_nesting", "show_ranks", "show_sampler",
+    "show_steps", "show_store", "show_timeline", "show_transfers", "text_color", "tint",
 ]

@@ -188,7 +188,10 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
 TRAP = "#C00000"  # red belongs to no rank: a failure
 
 
-def show_attempts(attempts: Sequence[tuple[str, Sequence[tuple[int, Sequence[tuple[str, float, str]]]]]],
+Stretch = tuple[str, float, str]  # (text, length, how) of one rank's stretch of an attempt
+
+
+def show_attempts(attempts: Sequence[tuple[str, Sequence[tuple[int, Sequence[Stretch]]]]],
                   *, between: Sequence[str] = (), checkpoint: str | None = None,
                   title: str | None = None) -> Figure:
     """An elastic job's attempts side by side, one lane per rank in each.
