@@ -545,6 +545,8 @@ def test_show_agents_puts_an_agent_over_each_nodes_workers_and_the_store_on_one_
     assert _trap_texts(fig) == ["GROUP_RANK=0", "GROUP_RANK=1", "GROUP_RANK=2"]
     assert _box_colour(fig, "rank 5") == colour_of(5)
     assert viz.screen_size(fig)[0] <= 1000  # 3 nodes x 4 workers fit the page
+    alone = texts(viz.show_agents(nodes, store="the store", others_connect=False))
+    assert alone.count("hosts") == 1 and alone.count("connects") == 0  # c10d: workers only
     with pytest.raises(ValueError, match="store_node 3"):
         viz.show_agents(nodes, store="s", store_node=3)
     with pytest.raises(ValueError, match="at least one worker"):

@@ -257,15 +257,18 @@ def _arrow(ax, start: tuple[float, float], end: tuple[float, float], *,
 
 
 def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Sequence[str]]]]],
-                *, store: str, store_node: int = 0, highlight: Sequence[str] = (),
-                note: str | None = None, title: str | None = None) -> Figure:
+                *, store: str, store_node: int = 0, others_connect: bool = True,
+                highlight: Sequence[str] = (), note: str | None = None,
+                title: str | None = None) -> Figure:
     """torchrun on every node: its agent, the workers the agent started, and the store.
 
     `nodes` is a list of (label, agent lines, workers), each worker a (rank, lines) pair as
     in `show_launch` (its global rank colours it). One torchrun per node is the *agent*: it
     starts the node's workers and watches them (arrows down); the agent of node
     `store_node` hosts the store the job meets at (`store`, its text), the others connect
-    to it (dashed). Lines that set a variable named in `highlight` are drawn as the trap.
+    to it (dashed) unless `others_connect` is False: under c10d the agents meet at the
+    rendezvous, and the store node rank 0's agent opens is for the workers alone. Lines
+    that set a variable named in `highlight` are drawn as the trap.
     """
     if not nodes or any(not workers for *_, workers in nodes):
         raise ValueError("need at least one node, each with at least one worker")
@@ -317,6 +320,8 @@ def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Se
     ax.text(sx + store_w / 2, sy + store_h / 2, store, ha="center", va="center",
             fontsize=FONT, fontweight="bold", color="#222222")
     for i, (cx, top) in enumerate(tops):
+        if i != store_node and not others_connect:
+            continue
         end = (min(max(cx, sx + 0.3), sx + store_w - 0.3), sy)
         _arrow(ax, (cx, top), end, dashed=i != store_node)
         ax.text(cx + 0.08, node_top + 0.14, "hosts" if i == store_node else "connects",
