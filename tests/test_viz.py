@@ -77,8 +77,7 @@ def test_owners_colour_cells_by_where_the_data_came_from():
     assert cell_at(fig, "5") == colour_of(1)  # rank 0 holds rank 1's data
     assert cell_at(fig, "7") == colour_of(0)
     assert cell_at(fig, "8") == (1.0, 1.0, 1.0)  # an empty buffer is white
-    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["rank 0's data", "rank 1's data", "empty buffer"]
+    assert legend_read(fig) == ["rank 0's data", "rank 1's data", "empty buffer"]
 
 
 def test_combined_values_carry_a_bar_with_every_source_rank():
@@ -128,17 +127,21 @@ def test_every_rank_colour_reads_on_white_as_text_and_as_a_line():
     assert viz.line_color("#332288") == pytest.approx(to_rgb("#332288"))
 
 
-def test_legend_reads_row_by_row():
-    fig = viz.show_ranks([torch.zeros(2)] * 4)  # a narrow figure: 4 entries over 2 rows
+def legend_read(fig) -> list[str]:
+    """The legend's entries as a learner reads them: row by row, left to right
+    (matplotlib lays a legend's entries out column by column)."""
     legend = fig.axes[0].get_legend()
     labels = [t.get_text() for t in legend.get_texts()]
     columns = legend._ncols
-    assert 1 < columns < 4
-    # matplotlib fills columns first; read back row by row, the ranks come in order.
     rows = -(-len(labels) // columns)
-    by_row = [labels[c * rows + r] for r in range(rows) for c in range(columns)
-              if c * rows + r < len(labels)]
-    assert by_row == [f"rank {r}'s data" for r in range(4)]
+    return [labels[c * rows + r] for r in range(rows) for c in range(columns)
+            if c * rows + r < len(labels)]
+
+
+def test_legend_reads_row_by_row():
+    fig = viz.show_ranks([torch.zeros(1)] * 4)  # a narrow figure: 4 entries over 2 rows
+    assert 1 < fig.axes[0].get_legend()._ncols < 4
+    assert legend_read(fig) == [f"rank {r}'s data" for r in range(4)]
 
 
 def test_pictures_are_twice_their_screen_size_and_small():
@@ -483,6 +486,36 @@ def test_show_launch_puts_each_process_in_its_node_in_its_rank_colour():
         viz.show_launch([("empty", [])])
 
 
+def test_show_ring_draws_a_row_per_step_and_frames_what_arrived_in_the_senders_colour():
+    steps = [("start", [[0, 1], [10, 11]], [[0, 0], [1, 1]], []),
+             ("step 1", [[0, 12], [10, 11]], [[0, (0, 1)], [1, 1]], [(1, 0, 1)])]
+    fig = viz.show_ring(steps, title="ring")
+    shown = texts(fig)
+    assert {"start", "step 1", "rank 0", "rank 1", "12"} <= set(shown)
+    framed = [p for p in fig.axes[0].patches
+              if isinstance(p, Rectangle) and p.get_linewidth() > 2.5]
+    assert len(framed) == 1  # one arrival, framed in rank 1's colour
+    assert framed[0].get_edgecolor()[:3] == pytest.approx(viz.line_color(viz.rank_color(1)))
+    assert fig.get_figwidth() <= 10.0
+    with pytest.raises(ValueError, match="no steps"):
+        viz.show_ring([])
+
+
+def test_show_overlap_names_every_span_and_its_size_does_not_follow_the_timings():
+    def spans(stretch):
+        return [viz.Span(r, 0.0, 0.001 * stretch, "layer 8", lane="backward") for r in (0, 1)] + [
+            viz.Span(r, 0.001 * stretch, 0.02, "layer 6", lane="backward") for r in (0, 1)] + [
+            viz.Span(r, 0.0011, 0.0015 + 0.01 * k * stretch, f"bucket {k}", waiting=True,
+                     lane="all_reduce") for r in (0, 1) for k in range(3)]
+    short, long = viz.show_overlap(spans(0.1)), viz.show_overlap(spans(1.0))
+    for fig in (short, long):
+        shown = texts(fig)
+        for label in ("layer 8", "layer 6", "bucket 0", "bucket 1", "bucket 2"):
+            assert shown.count(label) == 2, label  # once per rank, fitting or not
+        assert fig.get_figwidth() <= 10.0
+    assert short.get_size_inches() == pytest.approx(long.get_size_inches())
+    with pytest.raises(ValueError, match="no spans"):
+        viz.show_overlap([])
 @pytest.mark.parametrize("draw", [
     lambda: viz.show_ranks([torch.arange(16)] * 8),
     lambda: viz.show_before_after([torch.arange(16).reshape(4, 4), *[torch.zeros(4)] * 3],
@@ -514,7 +547,7 @@ def test_a_legend_stays_on_one_row_where_it_fits_and_wraps_evenly_where_not():
     labels = [f"rank {r}'s data" for r in range(4)] + ["combined from the ranks in its bar"]
     assert legend_columns(labels, 10.0) == 5  # one row on the page
     assert legend_columns(labels, 7.0) == 3   # two rows: 3 + 2, not 4 + 1
-    assert legend_columns(labels[:4], 3.0) == 1
+    assert legend_columns(labels[:4], 2.0) == 1
 
 
 def _box_colour(fig, text: str):
@@ -585,3 +618,16 @@ def test_show_attempts_lays_attempts_side_by_side_and_refuses_unknown_stretches(
     assert len(crosses) == 1  # the one failure
     with pytest.raises(ValueError, match="unknown stretch kind"):
         viz.show_attempts([("a", [(0, [("x", 1, "exploded")])])])
+
+
+def test_rendezvous_draws_an_arrow_per_client_and_a_link_per_pair_within_the_page():
+    fig = viz.show_rendezvous(4, "127.0.0.1:29500", title="rendezvous")
+    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    links = [line for line in fig.axes[0].lines]
+    assert len(arrows) == 3 and len(links) == 6  # ranks 1-3 to rank 0; 4 choose 2
+    assert viz.screen_size(fig)[0] <= 1000
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "store 127.0.0.1:29500" in texts and "rank 3" in texts
+    for size in (1, 7):
+        with pytest.raises(ValueError, match="2 to 6 ranks"):
+            viz.show_rendezvous(size, "127.0.0.1:29500")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+from matplotlib.textpath import TextPath
 
 from ddplab.viz.cells import Owner, Panel, format_value
 from ddplab.viz.palette import COMBINED, EMPTY, line_color, rank_color, text_color, tint
@@ -162,10 +163,12 @@ def legend_columns(labels: list[str], width: float) -> int:
 
     All in one row where they fit; otherwise as few rows as fit, filled evenly: five
     entries on two rows are 3 + 2, not 4 + 1 ("rank 3's data" alone on a line reads as
-    something apart). A column is as wide as its widest entry: the patch, the gap to the
-    text and the text (`label_size`), then the spacing.
+    something apart). A column is as wide as its widest entry: the patch and the gap to
+    the text (1.5 + 0.8 em), the text as the font draws it, then the spacing (1.2 em).
     """
-    entries = [label_size(label)[0] + 0.45 for label in labels]
+    em = (FONT - 1) / 72
+    entries = [TextPath((0, 0), label, size=FONT - 1).get_extents().width / 72 + 3.5 * em
+               for label in labels]
     for rows in range(1, len(labels) + 1):
         columns = -(-len(labels) // rows)
         used = sum(max(entries[c::columns]) for c in range(columns))
