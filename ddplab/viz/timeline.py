@@ -286,6 +286,7 @@ def show_attempts(attempts: Sequence[tuple[str, Sequence[tuple[int, Sequence[Str
             ax.annotate("", xy=(x, yy), xytext=(cx + w / 2 - 0.25, by),
                         arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 1.2,
                                     "connectionstyle": "angle,angleA=-90,angleB=0,rad=0"})
+    return canvas.fig
 
 
 OVERLAP_WIDTH = MAX_WIDTH

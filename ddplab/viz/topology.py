@@ -386,6 +386,7 @@ def show_nesting(launchers: Sequence[tuple[str, str]], workers: Sequence[tuple[i
     if note:
         ax.text(margin, note_h / 2, note, ha="left", va="center", fontsize=FONT - 1,
                 color=TRAP if highlight else "#333333")
+    return canvas.fig
 
 
 def _edge(center: tuple[float, float], half: tuple[float, float],
