@@ -838,26 +838,28 @@ def check_ddp_script(attempt) -> str:
                      f"{(error.text or '').strip()}",
                      "fix the line it names, re-run the %%writefile cell, then check again."
                      ) from None
-    reference, want = _reference()
     folder = Path(tempfile.mkdtemp(prefix="ddplab-5.4-"))
     try:
         script = folder / "script.py"
         script.write_text(source, encoding="utf-8")
         run = _torchrun([str(script)], folder, SCRIPT_TIMEOUT)
-        return _judge(run, reference, want, source, str(script), folder)
+        _judge_run(run, source, str(script))
+        reference, want = _reference()  # only now: a script that failed early needs none
+        _judge_data(run, reference)
+        _judge_model(run, reference)
+        return _judge_checkpoint(run, reference, want, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _judge(run: _Run, ref: _Run, want: dict, source: str, script: str, folder) -> str:
-    """The verdict on a finished (or stopped) run, compared with ddplab.train's."""
+def _judge_run(run: _Run, source: str, script: str) -> None:
+    """Did the run finish, without errors, through the four steps at all?"""
     ranks_ = range(SCRIPT_RANKS)
     if run.hung:
         where = "; ".join(f"rank {r} {_where_stuck(run.stacks.get(r, ''), script, source)}"
                           for r in ranks_ if r in run.stacks) or "no rank said where it was"
         raise NotYet(f"your script did not finish within {SCRIPT_TIMEOUT:g} s under torchrun "
-                     f"(ddplab.train takes {ref.seconds:.0f} s here), so it was stopped: "
-                     f"{where}.",
+                     f"(training takes well under a minute), so it was stopped: {where}.",
                      "a rank waiting in a collective (barrier, all_reduce) waits for every "
                      "other rank to make the same call: a call inside `if rank == 0:` leaves "
                      "rank 0 waiting for the others forever.")
@@ -890,9 +892,6 @@ def _judge(run: _Run, ref: _Run, want: dict, source: str, script: str, folder) -
         expect(run.first(r, "ddp"), f"rank {r} never wrapped a model in DistributedDataParallel: "
                "nothing averaged the gradients, so each rank trained a model of its own.",
                "wrap the network in DDP before the loop, and run the loop on the wrapper.")
-    _judge_data(run, ref)
-    _judge_model(run, ref)
-    return _judge_checkpoint(run, ref, want, folder)
 
 
 def _judge_data(run: _Run, ref: _Run) -> None:
