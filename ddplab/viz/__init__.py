@@ -13,9 +13,10 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
   `show_inbox`: each rank's tensor, before and after, with arrows for what moved;
 - topology (`topology`): `show_cluster`, `show_launch`, `show_store`, `show_mesh`: nodes
   and their devices, processes as a launcher placed them, a rendezvous store, a 2-D mesh;
-- data (`data`): `show_digits`, `show_sampler`: MNIST digits, and a sampler's split;
-- time (`timeline`): `show_timeline` (with `Span`), `show_flight`: what each rank did when,
-  and the collectives its flight recorder kept;
+- data (`data`): `show_digits`, `show_sampler`, `show_deal`: MNIST digits, a sampler's
+  split, and how it deals the shuffled, padded indices out;
+- time (`timeline`): `show_timeline` (with `Span`), `show_flight`, `show_ddp_step`: what each
+  rank did when, the collectives its flight recorder kept, and one DDP step in order;
 - bars (`bars`): `show_bars`, `show_buckets`: measured quantities, DDP's buckets by bytes;
 - curves (`curves`): `LossCurves`, each rank's training loss and their average, drawn live
   in the cell while the ranks train.
@@ -36,18 +37,18 @@ from ddplab.viz.bars import show_bars, show_buckets
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH
 from ddplab.viz.cells import EMPTY_BUFFER, Owner, as_grid, format_value, owner_grid
 from ddplab.viz.curves import LossCurves
-from ddplab.viz.data import show_digits, show_sampler
+from ddplab.viz.data import show_deal, show_digits, show_sampler
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
 from ddplab.viz.png import png_bytes, screen_size
 from ddplab.viz.tensors import show_before_after, show_inbox, show_ranks, show_steps, show_transfers
-from ddplab.viz.timeline import Span, show_flight, show_timeline
+from ddplab.viz.timeline import Span, show_ddp_step, show_flight, show_timeline
 from ddplab.viz.topology import show_cluster, show_launch, show_mesh, show_store
 
 __all__ = [
     "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
     "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
     "rank_color", "screen_size", "show_bars", "show_before_after", "show_buckets",
-    "show_cluster", "show_digits", "show_flight", "show_inbox", "show_launch", "show_mesh",
-    "show_ranks", "show_sampler", "show_steps", "show_store", "show_timeline", "show_transfers",
-    "text_color", "tint",
+    "show_cluster", "show_ddp_step", "show_deal", "show_digits", "show_flight", "show_inbox",
+    "show_launch", "show_mesh", "show_ranks", "show_sampler", "show_steps", "show_store",
+    "show_timeline", "show_transfers", "text_color", "tint",
 ]
