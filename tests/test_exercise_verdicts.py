@@ -623,7 +623,7 @@ CHAPTER_5 = [
      "evaluate only this rank's share"),
     ("5.3", _accumulate_syncing_every_time, "with 2 ranks, 3 micro-batches of 8 digits each, "
      "the gradients are right, but DDP made 3 synchronizations",
-     "inside `with ddp_model.no_sync():`"),
+     "a context manager that skips the all-reduce"),
     ("5.2", _count_own_share_only, "with 3 ranks and 1,001 test digits, the ranks returned "
      "different pairs", "add up every rank's counts with a collective"),
 ]

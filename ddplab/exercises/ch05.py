@@ -549,10 +549,9 @@ def _difference(grads: list, want: list, scale: float = 1.0) -> float:
 
 
 @exercise("5.3", "Gradient accumulation with no_sync", solution="accumulate",
-          hint="for each micro-batch: forward, loss divided by the number of micro-batches, "
-               "backward; gradients add up in .grad by themselves. Run every micro-batch "
-               "but the last inside `with ddp_model.no_sync():`, its forward included, so "
-               "that DDP all-reduces once, during the last backward.")
+          hint="two things must hold at the end: .grad is the mean over every micro-batch "
+               "of every rank, and DDP all-reduced during one backward only. backward() "
+               "adds to .grad; which of your backward passes should DDP let through?")
 def check_accumulate(attempt: Callable) -> str:
     k = MICRO_BATCHES
     for world_size in ACCUMULATE_WORLD_SIZES:
@@ -572,7 +571,8 @@ def check_accumulate(attempt: Callable) -> str:
             expect(all(g is not None for g in grads),
                    f"{where}, rank {rank}'s parameters have no gradient (.grad is None) "
                    "after your function.",
-                   "call backward() on each micro-batch's loss.")
+                   ".grad is filled by backward passes through the DDP model: each "
+                   "micro-batch has a loss of its own.")
             if _difference(grads, want) <= ATOL:
                 expect(calls, f"{where}, rank {rank}'s gradients are right, but DDP never "
                               "all-reduced them: they were averaged by hand.",
@@ -582,13 +582,13 @@ def check_accumulate(attempt: Callable) -> str:
             expect(calls,
                    f"{where}, DDP never all-reduced on rank {rank}: its gradients are its "
                    "own micro-batches' only, not the mean over every rank's.",
-                   "no_sync goes around every micro-batch but the last: the last one's "
-                   "backward, outside no_sync, all-reduces everything accumulated so far.")
+                   "inside no_sync DDP never all-reduces: one backward must run outside "
+                   "it, once every micro-batch has added its share to .grad.")
             expect(_difference(grads, want, k) > ATOL * k,
                    f"{where}, rank {rank}'s gradients are {k} times too large: the sum of "
                    "the micro-batches' mean gradients, not their mean.",
-                   f"divide each micro-batch's loss by the number of micro-batches ({k} "
-                   "here) before backward().")
+                   "each micro-batch's loss is a mean over its digits; the mean over all "
+                   f"{k} micro-batches is not the sum of their means.")
             expect(_difference(grads, want, 1 / world_size) > ATOL / world_size,
                    f"{where}, rank {rank}'s gradients are {world_size} times too small.",
                    "DDP averages over the ranks by itself: divide the loss by the number "
@@ -618,8 +618,8 @@ def check_accumulate(attempt: Callable) -> str:
             if not out["no_sync"]:
                 raise NotYet(f"{where}, the gradients are right, but DDP made {syncs}, "
                              f"where {one} is enough: every backward all-reduced.",
-                             "run every micro-batch but the last inside "
-                             "`with ddp_model.no_sync():`.")
+                             "DDP has a context manager that skips the all-reduce of the "
+                             "backward passes run inside it; the chapter names it.")
             if out["syncing_forwards"] > 1:
                 outside = _count(out["syncing_forwards"] - 1, "micro-batch", "micro-batches")
                 raise NotYet(f"{where}, the gradients are right, but DDP made {syncs}, "
@@ -627,11 +627,12 @@ def check_accumulate(attempt: Callable) -> str:
                              "last ran outside no_sync. The forward must run inside no_sync "
                              "too: DDP decides during the forward whether the backward will "
                              "synchronize.",
-                             "put each micro-batch's forward and backward, both, inside "
-                             "the no_sync block; only the last micro-batch runs outside it.")
+                             "DDP arms the all-reduce in the forward: what runs inside the "
+                             "with block decides, not where backward() is called.")
             raise NotYet(f"{where}, the gradients are right, but DDP made {syncs}, where "
                          f"{one} is enough.",
-                         "only the last micro-batch may run outside no_sync.")
+                         "every micro-batch whose forward ran outside no_sync all-reduced "
+                         "in its backward: how many of them need to?")
     return (f"the gradients are the mean over every rank's micro-batches (within {ATOL:g}, "
             "float rounding), and DDP all-reduced once, not once per micro-batch: 2 and 3 "
             "ranks.")
@@ -643,7 +644,7 @@ SCRIPT_EPOCHS = 2
 """The exercise's run: ddplab.train's Config with these epochs, every other setting its
 default (batch 32 per rank, Adam with lr 2e-3, seed 0, the shipped sample)."""
 SCRIPT_RANKS = 2
-SCRIPT_TIMEOUT = 300.0
+SCRIPT_TIMEOUT = 180.0
 """Seconds the learner's script may run (the reference takes 10 to 30 on 2 busy cores)."""
 STACK_WAIT = 2.0  # seconds a hung rank gets to write its stack (SIGUSR1) before it is stopped
 CHECKPOINT = "checkpoint.pt"
