@@ -796,7 +796,11 @@ def _where_stuck(stack: str, script: str, source: str) -> str:
     """'at line 41 of your script (dist.barrier()), inside barrier()' from a faulthandler dump."""
     import re
 
-    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', stack)
+    # One block per thread (all_threads: a rank busy in C++ holds no GIL); the main thread
+    # is the one running the script.
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack)
+    block = next((b for b in blocks if f'"{script}"' in b), blocks[0])
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
     if not frames:
         return "somewhere its stack did not say"
     innermost = frames[0][2]

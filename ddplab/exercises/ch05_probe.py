@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     _die_with_parent()
     stacks = open(trace_dir / f"stack{rank}.txt", "w")  # noqa: SIM115 (the whole run)
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=False)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # GIL or not
     trace = _Trace(trace_dir / f"rank{rank}.jsonl")
     trace("start", pid=os.getpid(), rank=rank)
     done = install(trace, reference=target[0] == "-m")
