@@ -514,3 +514,29 @@ def test_a_legend_stays_on_one_row_where_it_fits_and_wraps_evenly_where_not():
     assert legend_columns(labels, 10.0) == 5  # one row on the page
     assert legend_columns(labels, 7.0) == 3   # two rows: 3 + 2, not 4 + 1
     assert legend_columns(labels[:4], 3.0) == 1
+
+
+def test_show_deal_pads_the_shuffled_list_and_deals_it_round_robin():
+    # 5 samples on 2 ranks: padded to 6 with the list's first index, position p to rank p % 2.
+    fig = viz.show_deal([3, 0, 4, 1, 2], 2)
+    assert [t for t in texts(fig) if t.startswith("p=")] == [f"p={p}" for p in range(6)]
+    assert cell_at(fig, "3", nth=1) == colour_of(0)  # the padded row: 3 at position 0
+    assert cell_at(fig, "0", nth=1) == colour_of(1)  # 0 at position 1
+    assert cell_at(fig, "3", nth=2) == colour_of(1)  # 3 again, at position 5
+    assert viz.screen_size(fig)[0] <= 1000
+    with pytest.raises(ValueError, match="at least one index"):
+        viz.show_deal([], 2)
+
+
+def test_show_ddp_step_starts_a_buckets_all_reduce_once_its_last_gradient_is_ready():
+    layers = ["conv1", "conv2", "fc1", "fc2"]
+    fig = viz.show_ddp_step(layers, [["fc2", "fc1"], ["conv2", "conv1"]], world_size=2)
+    found = texts(fig)
+    assert found.count("all-reduce b0") == 2 and found.count("all-reduce b1") == 2  # each rank
+    assert found.count("∇conv1") == 2 and found.count("update") == 2
+    assert viz.screen_size(fig)[0] <= 1000
+    x = {t.get_text(): t.get_position()[0] for t in fig.axes[0].texts}
+    assert x["∇fc1"] < x["all-reduce b0"] < x["∇conv1"]  # overlaps the rest of backward
+    assert x["all-reduce b1"] < x["update"]               # the step waits for the last one
+    with pytest.raises(ValueError, match="not in `layers`"):
+        viz.show_ddp_step(layers, [["fc3"]])
