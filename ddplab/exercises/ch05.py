@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -773,18 +774,18 @@ def _reference() -> tuple[_Run, dict]:
 
 
 def _script_source(attempt) -> tuple[str, str]:
-    """(the script's text, how to name it): `attempt` is a path, or the text itself."""
+    """(the script's text, its file name): `attempt` is a path, or the text itself."""
     from pathlib import Path
 
     if isinstance(attempt, str) and "\n" in attempt:
-        return attempt, "your script"
+        return attempt, "my_ddp.py"
     path = Path(attempt)
     expect(path.suffix == ".py", f"{str(path)!r} is not a Python file (its name does not end "
            "in .py).", "write the script with %%writefile into a file named ....py, and pass "
            "that path to check().")
     expect(path.is_file(), f"there is no file {str(path)!r}.",
            "run the %%writefile cell first: it writes the script to that path.")
-    return path.read_text(encoding="utf-8"), f"your script ({path.name})"
+    return path.read_text(encoding="utf-8"), path.name
 
 
 def _script_line(source: str, number: int) -> str:
@@ -813,8 +814,10 @@ def _where_stuck(stack: str, script: str, source: str) -> str:
 
 
 def _traceback_tail(text: str, script: str, lines: int = 8) -> str:
-    """The end of a rank's traceback: from the script's first frame on, its last lines."""
-    kept = text.splitlines()
+    """The end of a rank's traceback: from the script's first frame on, its last lines,
+    the script named by its file name (the check's temporary folder is of no use)."""
+    kept = text.replace(f'"{script}"', f'"{os.path.basename(script)}"').splitlines()
+    script = os.path.basename(script)
     first = next((i for i, line in enumerate(kept) if f'"{script}"' in line), 0)
     kept = kept[first:]
     return "\n".join("    " + line.rstrip() for line in kept[-lines:])
@@ -839,13 +842,13 @@ def check_ddp_script(attempt) -> str:
     try:
         compile(source, name, "exec")
     except SyntaxError as error:
-        raise NotYet(f"{name} does not compile: {error.msg} at line {error.lineno}: "
+        raise NotYet(f"your script does not compile: {error.msg} at line {error.lineno}: "
                      f"{(error.text or '').strip()}",
                      "fix the line it names, re-run the %%writefile cell, then check again."
                      ) from None
     folder = Path(tempfile.mkdtemp(prefix="ddplab-5.4-"))
     try:
-        script = folder / "script.py"
+        script = folder / name  # its own name: tracebacks read as the learner's file
         script.write_text(source, encoding="utf-8")
         run = _torchrun([str(script)], folder, SCRIPT_TIMEOUT)
         _judge_run(run, source, str(script))
@@ -880,7 +883,8 @@ def _judge_run(run: _Run, source: str, script: str) -> None:
                      "is the cause.")
     if run.returncode != 0:
         exits = [e["code"] for r in ranks_ for e in run.events(r, "exit")]
-        tail = "\n".join("    " + line for line in run.stderr.strip().splitlines()[-8:])
+        printed = run.stderr.replace(str(run.folder) + os.sep, "").strip()
+        tail = "\n".join("    " + line for line in printed.splitlines()[-8:])
         raise NotYet(f"your script's ranks exited with status {exits[0] if exits else '?'} "
                      f"(torchrun: {run.returncode}). The end of what they printed:\n{tail}",
                      "a rank that calls sys.exit() with a non-zero code, or is killed, ends "
