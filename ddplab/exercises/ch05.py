@@ -1,4 +1,5 @@
-"""Chapter 5 exercises: DDP on MNIST (the sampler's split, evaluation, gradient accumulation).
+"""Chapter 5 exercises: DDP on MNIST (the sampler's split, evaluation, gradient accumulation,
+and a DDP training script of the learner's own).
 
 Every check runs the learner's function on real ranks of its own short-lived pool, at two
 world sizes, on digits of the shipped MNIST sample, with a short deadline: an attempt in
@@ -10,6 +11,14 @@ computing the loss over every rank's micro-batches at once. Where an exercise ru
 something out (the sampler in 5.1, one rank evaluating every digit in 5.2, a
 synchronization per micro-batch in 5.3), the check watches for it on the ranks: the code
 still runs, but the verdict says what it saw.
+
+Exercise 5.4 takes a script, not a function: the check runs it under the real torchrun
+(this Python's `-m torch.distributed.run`), then `ddplab.train` the same way, each under
+a probe (`ddplab.exercises.ch05_probe`) that notes what every rank did: the sampler's
+settings, `set_epoch`, the batch size, the first weights, the optimizer, the steps, who
+saved what. The weights must match bit for bit; where they cannot, the first difference
+between the two traces is the verdict. A run has a deadline, after which each rank's
+stack is read and torchrun and its workers are stopped.
 """
 
 from __future__ import annotations
