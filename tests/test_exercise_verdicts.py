@@ -680,7 +680,7 @@ SCRIPT_MISTAKES = {
                    "the weights are ddplab.train's, bit for bit, but rank 0 never called "
                    "destroy_process_group", "dist.destroy_process_group()"),
     "crashes": ([("            optimizer.step()", "            optimiser.step()")],
-                "your script crashed on rank 0 with NameError: name 'optimiser' is not defined",
+                "your script crashed on every rank with NameError: name 'optimiser' is not defined",
                 "the first is the cause"),
     "hangs": ([("    for epoch in range(EPOCHS):", "    if rank == 0:\n"
                 "        dist.recv(torch.zeros(1), src=1)   # rank 1 never sends\n"

@@ -883,7 +883,16 @@ def _judge_run(run: _Run, source: str, script: str) -> None:
     failure = _first_failure(run)
     if failure is not None:
         rank, error = failure
-        raise NotYet(f"your script crashed on rank {rank} with {error['kind']}: "
+
+        def said(e: dict) -> tuple:
+            return e["kind"], e["message"].splitlines()[:1]
+
+        alike = [run.events(r, "error") for r in ranks_]
+        if all(errors and said(errors[0]) == said(error) for errors in alike):
+            rank, error, who = 0, alike[0][0], "every rank"  # the same mistake everywhere
+        else:
+            who = f"rank {rank}"
+        raise NotYet(f"your script crashed on {who} with {error['kind']}: "
                      f"{error['message'].splitlines()[0][:300] if error['message'] else ''}\n"
                      f"  The end of rank {rank}'s traceback:\n"
                      + _traceback_tail(error["traceback"], script),
