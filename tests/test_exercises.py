@@ -92,6 +92,11 @@ def test_check_explains_misuse():
     assert "without calling it" in check(sorted(EXERCISES)[0], 42).hint
     with pytest.raises(KeyError, match=r"no exercise '9\.9'"):
         check("9.9", empty_attempt)
+    # A script exercise takes the script's path: said before anything runs.
+    assert "needs the path of your script" in check("5.4", empty_attempt).message
+    assert "not a Python file" in check("5.4", "notes.txt").message
+    assert "there is no file" in check("5.4", "scratch/not_written_yet.py").message
+    assert "does not compile" in check("5.4", "def main(:\n    ...\n").message
 
 
 def _reduces_on_rank_0_only(t):
