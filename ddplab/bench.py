@@ -258,17 +258,22 @@ def plot(results: Sequence[Result], *, title: str | None = None):
         raise ValueError("no results to plot")
     fig = Figure(figsize=(8, 4.2), dpi=100)
     ax = fig.add_subplot()
-    for op in dict.fromkeys(r.op for r in results):
+    styles = [("o", "-", "#000000"), ("s", "--", "#444444"), ("^", ":", "#666666"),
+              ("D", "-.", "#888888")]  # shapes in greys: in the kit a colour means a rank
+    for k, op in enumerate(dict.fromkeys(r.op for r in results)):
         mine = [r for r in results if r.op == op]
-        ax.plot([r.bytes for r in mine], [r.busbw for r in mine], marker="o", ms=3, label=op)
+        marker, style, color = styles[k % len(styles)]
+        ax.plot([r.bytes for r in mine], [r.busbw for r in mine], marker=marker, ls=style,
+                color=color, mfc="white", ms=5, lw=1.3, label=op)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("busbw (GB/s)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=9, frameon=False)
+    ops = len({r.op for r in results})
+    fig.legend(loc="lower center", ncol=ops, fontsize=9, frameon=False)  # never on the data
     if title:
         ax.set_title(title, fontsize=10, loc="left")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 

@@ -29,6 +29,19 @@ from dataclasses import dataclass
 ALGORITHMS = ("ring", "recursive doubling", "naive", "whole tensor ring")
 
 
+def timing_ranks(most: int = 4) -> int:
+    """How many ranks to time on: as many as this process may use cores, from 2 to `most`.
+
+    The α–β model assumes every rank runs all the time; ranks that take turns on fewer
+    cores wait for the scheduler at every step, and that waiting, not the network, is what
+    such a measurement would show. Two ranks at least: a message needs two ends.
+    """
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(2, min(most, cores or 1))
+
+
 @dataclass(frozen=True)
 class Model:
     """α in seconds, β in seconds per byte."""
@@ -85,8 +98,10 @@ def fit(sizes: Sequence[float], seconds: Sequence[float]) -> Model:
 def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[float]:
     """Run on every rank: ranks 0 and 1 bounce a message of each size; the others wait.
 
-    Returns, on every rank, the one-way time for each size (the median round trip over
-    `iters`, halved: the median shrugs off the odd round trip the machine interrupted).
+    Returns, on every rank, the one-way time for each size: the fastest of `iters` round
+    trips, halved. Other work on the machine only ever adds time to a round trip, so on a
+    busy machine the fastest is the best estimate of what the messages themselves cost (a
+    median there measures the machine's load, and can even fall as messages grow).
     """
     import torch
     import torch.distributed as dist
@@ -108,7 +123,7 @@ def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[fl
                 dist.send(buffer, 0)
             if i >= warmup:
                 rounds.append(time.perf_counter() - start)
-        times.append(sorted(rounds)[len(rounds) // 2] / 2)
+        times.append(min(rounds) / 2)
     shared = torch.tensor(times, dtype=torch.float64)
     dist.broadcast(shared, src=0)  # rank 0's clock measured the round trips
     return shared.tolist()
@@ -119,7 +134,8 @@ def time_all_reduce(algorithm: str, nbytes: int, iters: int = 10, warmup: int = 
     `ddplab.ring.ALGORITHMS`, or "gloo" for `dist.all_reduce` itself).
 
     Each run starts together (a barrier) and ends with the slowest rank (MAX over ranks),
-    as a collective does; the median over `iters` runs is returned on every rank.
+    as a collective does; the fastest of `iters` runs is returned on every rank, the same
+    statistic `ping_pong` takes, so that measurement and prediction compare like with like.
     """
     import torch
     import torch.distributed as dist
@@ -144,7 +160,7 @@ def time_all_reduce(algorithm: str, nbytes: int, iters: int = 10, warmup: int = 
             times.append(time.perf_counter() - start)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.median().item()
+    return slowest.min().item()
 
 
 # --- pictures (matplotlib is imported here only: ranks import this module) ---------------
@@ -177,38 +193,78 @@ def plot_fit(sizes: Sequence[float], seconds: Sequence[float], model: Model):
     """The ping-pong measurements (points) and the fitted α + m·β (line), log-log."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.5, 3.8), dpi=100)
+    fig = Figure(figsize=(7.5, 4.0), dpi=100)
     ax = _log_axes(fig, "one-way time (µs)")
     ax.plot(sizes, [t * 1e6 for t in seconds], "o", ms=5, color="#333333",
-            label="measured (median of the round trips, halved)")
+            label="measured: fastest round trip ÷ 2")
     line = _between(sizes)
-    ax.plot(line, [model.message(m) * 1e6 for m in line], "-", color="#D55E00",
-            label=f"α + m·β: α = {model.alpha * 1e6:.0f} µs, "
-                  f"1/β = {model.bandwidth / 1e9:.2f} GB/s")
-    ax.legend(fontsize=9, frameon=False, loc="upper left")
-    fig.tight_layout()
+    ax.plot(line, [model.message(m) * 1e6 for m in line], "-", color="#000000", lw=1.3,
+            label=f"α + m·β: α = {model.alpha * 1e6:.0f} µs, 1/β = "
+                  + (f"{model.bandwidth / 1e9:.2f} GB/s" if model.beta > 0
+                     else "too fast to see at these sizes"))
+    fig.legend(loc="lower center", ncol=2, fontsize=9, frameon=False)  # under the axes
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
+
+
+STYLES = {"ring": ("o", "-"), "recursive doubling": ("s", "--"), "naive": ("^", ":"),
+          "whole tensor ring": ("D", "-."), "gloo": ("x", "")}
+"""Marker and line style per algorithm. The curves are told apart by shape, in greys:
+in this kit a colour means a rank, and these curves are algorithms, not ranks."""
+GREYS = {"ring": "#000000", "recursive doubling": "#444444", "naive": "#666666",
+         "whole tensor ring": "#888888", "gloo": "#000000"}
 
 
 def plot_predictions(model: Model, world_size: int,
                      measured: dict[str, Sequence[tuple[int, float]]]):
-    """For each algorithm: the model's prediction (line) and the measured time (points) of
-    an all-reduce on `world_size` ranks, against message size, log-log."""
+    """For each algorithm, an all-reduce on `world_size` ranks against message size: the
+    measured time (points) and the model's prediction (line) on the left, and on the right
+    measured ÷ predicted, which shows at a glance where the model holds (near 1) and where
+    something it leaves out costs more than the network. The legend sits under the axes,
+    one row, so it never covers a point."""
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
-    fig = Figure(figsize=(7.5, 4.2), dpi=100)
+    fig = Figure(figsize=(10, 4.2), dpi=100)
     ax = _log_axes(fig, "all-reduce time (ms)")
-    colors = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#555555"]
-    for color, (algorithm, points) in zip(colors, measured.items(), strict=False):
+    ratio_ax = fig.add_subplot(1, 2, 2)
+    ax.set_subplotspec(fig.add_gridspec(1, 2)[0, 0])
+    handles = []
+    for algorithm, points in measured.items():
+        marker, style = STYLES.get(algorithm, ("o", "-"))
+        color = GREYS.get(algorithm, "#000000")
         sizes = [size for size, _ in points]
-        ax.plot(sizes, [t * 1e3 for _, t in points], "o", ms=5, color=color,
-                label=f"{algorithm}: measured")
-        if algorithm in ALGORITHMS:
+        ax.plot(sizes, [t * 1e3 for _, t in points], marker, ms=6, color=color, mfc="white"
+                if marker not in "x" else color, label=f"{algorithm}: measured")
+        predicted = algorithm in ALGORITHMS
+        if predicted:
             line = _between(sizes)
             ax.plot(line, [model.predict(algorithm, world_size, s) * 1e3 for s in line],
-                    "-", color=color, alpha=0.8, label=f"{algorithm}: predicted")
-    ax.set_title(f"{world_size} ranks: lines are the α–β model, points the measurements",
-                 fontsize=10, loc="left")
-    ax.legend(fontsize=8, frameon=False, ncol=2, loc="upper left")
-    fig.tight_layout()
+                    style, color=color, lw=1.3, label=f"{algorithm}: predicted")
+            ratio_ax.plot(sizes, [t / model.predict(algorithm, world_size, size)
+                                  for size, t in points], marker + style, color=color,
+                          mfc="white", ms=6, lw=1.3, label=algorithm)
+        handles.append(Line2D([], [], marker=marker, ls=style if predicted else "",
+                              color=color, mfc="white" if marker != "x" else color, ms=6,
+                              label=algorithm + ("" if predicted else " (measured only)")))
+    ax.set_title("points: measured · lines: the α–β model", fontsize=10, loc="left")
+    ratio_ax.set_xscale("log", base=2)
+    ratio_ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ratio_ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ratio_ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ratio_ax.yaxis.set_minor_formatter(NullFormatter())
+    ratios = [line.get_ydata() for line in ratio_ax.lines]
+    low = min([0.5, *(min(r) for r in ratios)])
+    high = max([2.0, *(max(r) for r in ratios)])
+    ratio_ax.set_ylim(low / 1.25, high * 1.25)
+    ratio_ax.axhline(1, color="#000000", lw=0.8)
+    ratio_ax.grid(True, which="both", alpha=0.25)
+    ratio_ax.set_xlabel("message size (bytes)")
+    ratio_ax.set_ylabel("measured ÷ predicted")
+    ratio_ax.set_title(f"{world_size} ranks: 1 = the model is exact", fontsize=10, loc="left")
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False,
+               fontsize=9, handlelength=2.5, columnspacing=1.5)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig

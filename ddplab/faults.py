@@ -79,7 +79,7 @@ class Trial:
 
     fault: str | None
     victim: int
-    seen: dict[int, str]  # rank -> a few words: "✓ right answer", "stuck in all_reduce()"
+    seen: dict[int, str]  # rank -> a few words: "✓ [3, 6, 9, 12]", "stuck in all_reduce()"
     error: RankError | None = None
     results: dict[int, Any] = field(default_factory=dict)
 
@@ -137,9 +137,21 @@ def attempt(pool, fault: str | None, victim: int = 1, timeout: float = 3.0,
         for r in range(pool.world_size):
             seen.setdefault(r, "finished")
         return Trial(fault, victim, dict(sorted(seen.items())), err)
-    seen = {r: "✓ right answer" if out["right"] else "✗ WRONG answer, no error"
-            for r, out in enumerate(results)}
+    seen = {r: ("✓ " if out["right"] else "✗ ") + _numbers(out["grads"])
+               + ("" if out["right"] else ", no error") for r, out in enumerate(results)}
     return Trial(fault, victim, seen, None, dict(enumerate(results)))
+
+
+def _numbers(values: list[float]) -> str:
+    """[3, 6, 9, 12]: a rank's gradients after the all_reduce (whole numbers here)."""
+    return "[" + ", ".join(f"{v:g}" for v in values) + "]"
+
+
+def answers(world_size: int) -> tuple[str, str]:
+    """What `step`'s all_reduce gives on `world_size` ranks with SUM (the right answer) and
+    with MAX on every rank: the two a reader compares a wrong answer with."""
+    right = [k * world_size + sum(range(world_size)) for k in range(4)]
+    return _numbers(right), _numbers([k + world_size - 1 for k in range(4)])
 
 
 def table(trials: list[Trial]) -> str:
@@ -153,7 +165,9 @@ def table(trials: list[Trial]) -> str:
         what = FAULTS.get(t.fault, "makes no mistake") if t.fault else "makes no mistake"
         rows.append([what] + [t.seen[r] + (" *" if r == t.victim and t.fault else "")
                               for r in ranks])
-    return format_table(rows, header=header, rule=True) + "\n(* the victim)"
+    right, maxed = answers(len(ranks))
+    return (format_table(rows, header=header, rule=True)
+            + f"\n(* the victim. SUM, the right answer: {right}; MAX on every rank: {maxed})")
 
 
 # TORCH_DISTRIBUTED_DEBUG=DETAIL names a mismatch in one long sentence per rank:

@@ -133,6 +133,39 @@ def _whoami_prints():
     print(f"rank {dist.get_rank()} of {dist.get_world_size()}")
 
 
+_TWO_NODES = f"place({['node02'] * 4 + ['node03'] * 4})"  # 1.3's first layout, as checks name it
+
+
+def _blocks_of_rank_0s_size(hosts):
+    """1.3, wrong: assumes blocks as large as rank 0's node (true under torchrun only)."""
+    per = hosts.count(hosts[0])
+    return [(r // per, r % per) for r in range(len(hosts))]
+
+
+def _nodes_by_name(hosts):
+    """1.3, wrong: numbers the nodes in the alphabetical order of their names."""
+    names = sorted(set(hosts))
+    return [(names.index(h), hosts[:r].count(h)) for r, h in enumerate(hosts)]
+
+
+def _global_as_local(hosts):
+    """1.3, wrong: takes the global rank for the local one."""
+    order = list(dict.fromkeys(hosts))
+    return [(order.index(h), r) for r, h in enumerate(hosts)]
+
+
+def _local_from_one(hosts):
+    """1.3, wrong: counts the rank itself, so local ranks start at 1."""
+    order = list(dict.fromkeys(hosts))
+    return [(order.index(h), hosts[:r + 1].count(h)) for r, h in enumerate(hosts)]
+
+
+def _node_as_local(hosts):
+    """1.3, wrong: gives every rank of a node the same local rank."""
+    order = list(dict.fromkeys(hosts))
+    return [(order.index(h), order.index(h)) for h in hosts]
+
+
 CHAPTER_1 = [
     ("1.2", _local_rank_is_rank, "on rank 2 your function returned 'rank 2 of 4 (local rank "
      "2)'; expected 'rank 2 of 4 (local rank 0)'. The check runs the 4 ranks as 2 nodes", ""),
@@ -145,18 +178,18 @@ CHAPTER_1 = [
     ("1.1", lambda rank, gpus: [r for r in range(rank // gpus * gpus, (rank // gpus + 1) * gpus)
                                 if r != rank],
      "node_mates(0, gpus_per_node=4) returned [1, 2, 3], which leaves out rank 0 itself", ""),
-    ("1.3", lambda cores, ranks, workers: max(1, cores // ranks), "threads_per_rank(cores=64, "
-     "ranks_per_node=8, workers_per_rank=4) returned 8, as if the workers took no cores",
-     "count the cores the workers take first"),
-    ("1.3", lambda cores, ranks, workers: (cores - ranks * workers) // ranks,
-     "threads_per_rank(cores=8, ranks_per_node=8, workers_per_rank=2) returned -1: every rank "
-     "needs at least one thread", "cannot be less than one"),
-    ("1.3", lambda cores, ranks, workers: max(1, round((cores - ranks * workers) / ranks)),
-     "threads_per_rank(cores=23, ranks_per_node=3, workers_per_rank=2) returned 6: 3 ranks × "
-     "(6 threads + 2 workers) = 24 on 23 cores, oversubscribed", ""),
-    ("1.3", lambda cores, ranks, workers: (cores - ranks * workers) / ranks,
-     "threads_per_rank(cores=64, ranks_per_node=8, workers_per_rank=4) returned 4.0; it should "
-     "be a whole number", "// is integer division"),
+    ("1.3", _blocks_of_rank_0s_size, "place(['a', 'b', 'c', 'a', 'b', 'c']): ranks 0, 3 run on "
+     "the same host 'a', yet they got nodes [0, 1]", "next to each other"),
+    ("1.3", _nodes_by_name, "place(['gpu-b', 'gpu-b', 'gpu-a', 'gpu-a']): the nodes are "
+     "numbered in the alphabetical order of the host names", ""),
+    ("1.3", _global_as_local, f"{_TWO_NODES}: the ranks on host 'node03' got local ranks "
+     "[4, 5, 6, 7], their global ranks", ""),
+    ("1.3", _local_from_one, f"{_TWO_NODES}: the ranks on host 'node02' got local ranks "
+     "[1, 2, 3, 4]; local ranks start at 0", ""),
+    ("1.3", _node_as_local, f"{_TWO_NODES}: ranks 0 and 1 both run on host 'node02' with local "
+     "rank 0: both would drive GPU 0", ""),
+    ("1.3", lambda hosts: None, f"{_TWO_NODES} returned None; it should return a list of 8 "
+     "(node, local_rank) pairs", "go through the ranks in order"),
 ]
 
 CHAPTER_2 = [
@@ -225,6 +258,20 @@ def _no_grad_at_all(model, x):
     return {name for name, p in model.named_parameters() if p.grad is None}
 
 
+def _forward_only(model, x):
+    """7.4, wrong: without a backward no parameter has a gradient, used or not."""
+    model(x)
+    return {name for name, p in model.named_parameters() if p.requires_grad and p.grad is None}
+
+
+def _ones_whatever_the_input(model, x):
+    """7.4, wrong: runs on its own input, so a gate that depends on x is read wrong."""
+    import torch
+
+    model(torch.ones_like(x)).sum().backward()
+    return {name for name, p in model.named_parameters() if p.requires_grad and p.grad is None}
+
+
 CHAPTER_7 = [
     ("7.1", _first_stuck_rank, "when rank 1 skipped all_reduce, your function named rank 0",
      "not waiting in the skipped collective"),
@@ -237,6 +284,10 @@ CHAPTER_7 = [
      "torch.equal"),
     ("7.4", _no_grad_at_all, "for the same model with that head frozen, your function named "
      "['letters.bias', 'letters.weight']", "a frozen parameter (requires_grad=False)"),
+    ("7.4", _forward_only, "for a model with an unused head, your function named "
+     "['body.bias', 'body.weight', 'digits.bias'", "body.bias does get a gradient"),
+    ("7.4", _ones_whatever_the_input, "for a gated model, negative input, your function named "
+     "['small.bias', 'small.weight']", "can depend on the input"),
 ]
 
 
@@ -291,6 +342,18 @@ def _busbw_one_factor(op, nbytes, seconds, world_size):
     return nbytes / seconds / 1e9 * 2 * (world_size - 1) / world_size
 
 
+def _busbw_algbw(op, nbytes, seconds, world_size):
+    """8.2, wrong: algbw, no factor at all."""
+    return nbytes / seconds / 1e9
+
+
+def _busbw_receives_everything(op, nbytes, seconds, world_size):
+    """8.2, wrong: right for all_reduce, but every other collective counted as moving all
+    of nbytes through the link (factor 1), as if a rank held none of the result before."""
+    factor = 2 * (world_size - 1) / world_size if op == "all_reduce" else 1
+    return nbytes / seconds / 1e9 * factor
+
+
 def _busbw_gib(op, nbytes, seconds, world_size):
     """8.2, wrong: GiB per second, not nccl-tests' GB."""
     factor = {"all_reduce": 2 * (world_size - 1) / world_size, "broadcast": 1,
@@ -342,8 +405,12 @@ CHAPTER_8 = [
     ("8.1", _all_reduce_itself, "your function called all_reduce", "no collectives"),
     ("8.1", _whole_tensor_ring, "the sum is right, but a rank sent 4800 bytes",
      "sending whole tensors costs (n − 1) · S"),
-    ("8.2", _busbw_one_factor, "busbw('all_gather', 16777216, 0.004, 8) returned 7.34 GB/s; "
-     "nccl-tests would print 3.67", "(n − 1)/n for all_gather"),
+    ("8.2", _busbw_one_factor, "busbw('all_gather', 16777216, 0.004, 8) returned 7.34 GB/s, "
+     "algbw × 1.75; nccl-tests would print 3.67", "which part of it did the rank hold"),
+    ("8.2", _busbw_algbw, "busbw('all_reduce', 67108864, 0.0125, 4) returned 5.369 GB/s, "
+     "which is algbw", "reduce_scatter followed by an all_gather"),
+    ("8.2", _busbw_receives_everything, "busbw('all_gather', 16777216, 0.004, 8) returned "
+     "4.194 GB/s, which is algbw", "which share had to come in"),
     ("8.2", _busbw_gib, "busbw('all_reduce', 67108864, 0.0125, 4) returned 7.5 GB/s", "10⁹"),
     ("8.3", _buckets_strictly_over, "for a last layer of exactly 0.5 MiB", "at least its cap"),
     ("8.3", _buckets_one_cap, "for five linear layers, default caps", "first_cap for the "

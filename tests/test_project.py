@@ -213,3 +213,35 @@ def test_every_committed_picture_fits_the_page_with_legible_labels() -> None:
                     wide.append(f"{notebook.name} cell {index}: {shown} px")
     assert pictures >= 40
     assert not wide, "wider than the page (1,000 px):\n" + "\n".join(wide)
+
+
+def test_every_link_from_one_chapter_to_another_lands_on_a_heading_that_exists() -> None:
+    """Each demo lives in one chapter and the others link to it (`05_ddp_mnist.ipynb#...`).
+    JupyterLab's anchor for a heading is its text as shown (no backticks, no emphasis, a
+    link's text) with spaces as hyphens; a reworded heading would leave the learner at the
+    top of the other chapter."""
+    chapters = {p.name: p for p in (ROOT / "notebooks").glob("[0-9]*.ipynb")}
+
+    def shown(heading: str) -> str:
+        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+        return re.sub(r"[`*]", "", heading).strip()
+
+    def anchors(path: Path) -> set[str]:
+        return {shown(match).replace(" ", "-")
+                for cell in nbformat.read(path, as_version=4).cells
+                if cell.cell_type == "markdown"
+                for match in re.findall(r"^#{1,6} +(.+?) *$", cell.source, re.MULTILINE)}
+
+    links = 0
+    for name, path in sorted(chapters.items()):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "markdown":
+                continue
+            for target, anchor in re.findall(r"\]\((\d\d[a-z]?_[\w-]+\.ipynb)(?:#([^)\s]+))?\)",
+                                             cell.source):
+                links += 1
+                assert target in chapters, f"{name} links to {target}, which does not exist"
+                if anchor:
+                    assert anchor in anchors(chapters[target]), (
+                        f"{name} links to {target}#{anchor}: no such heading")
+    assert links >= 4

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from matplotlib.colors import to_rgb
+from matplotlib.legend import Legend
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from ddplab import flight, viz
@@ -76,8 +77,7 @@ def test_owners_colour_cells_by_where_the_data_came_from():
     assert cell_at(fig, "5") == colour_of(1)  # rank 0 holds rank 1's data
     assert cell_at(fig, "7") == colour_of(0)
     assert cell_at(fig, "8") == (1.0, 1.0, 1.0)  # an empty buffer is white
-    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["rank 0's data", "rank 1's data", "empty buffer"]
+    assert legend_read(fig) == ["rank 0's data", "rank 1's data", "empty buffer"]
 
 
 def test_combined_values_carry_a_bar_with_every_source_rank():
@@ -85,8 +85,7 @@ def test_combined_values_carry_a_bar_with_every_source_rank():
     bars = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)
             and p.get_height() < viz.CELL * 0.5]
     assert [p.get_facecolor()[:3] for p in bars] == [to_rgb(viz.rank_color(r)) for r in (0, 1, 2)]
-    assert "combined from the ranks in its bar" in [
-        t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "combined from the ranks in its bar" in legend_read(fig)
 
 
 def test_two_d_tensors_are_grids_and_floats_fit():
@@ -127,17 +126,23 @@ def test_every_rank_colour_reads_on_white_as_text_and_as_a_line():
     assert viz.line_color("#332288") == pytest.approx(to_rgb("#332288"))
 
 
+def legend_lines(fig) -> list[list[str]]:
+    """The legend's entries as a learner reads them: line by line from the top, each line
+    left to right (the canvas draws one matplotlib legend per line)."""
+    ax = fig.axes[0]
+    legends = [a for a in ax.get_children() if isinstance(a, Legend)]
+    legends.sort(key=lambda legend: -legend.get_bbox_to_anchor().y0)
+    return [[t.get_text() for t in legend.get_texts()] for legend in legends]
+
+
+def legend_read(fig) -> list[str]:
+    return [label for line in legend_lines(fig) for label in line]
+
+
 def test_legend_reads_row_by_row():
-    fig = viz.show_ranks([torch.zeros(2)] * 4)  # a narrow figure: 4 entries over 2 rows
-    legend = fig.axes[0].get_legend()
-    labels = [t.get_text() for t in legend.get_texts()]
-    columns = legend._ncols
-    assert 1 < columns < 4
-    # matplotlib fills columns first; read back row by row, the ranks come in order.
-    rows = -(-len(labels) // columns)
-    by_row = [labels[c * rows + r] for r in range(rows) for c in range(columns)
-              if c * rows + r < len(labels)]
-    assert by_row == [f"rank {r}'s data" for r in range(4)]
+    fig = viz.show_ranks([torch.zeros(1)] * 4)  # a narrow figure: 4 entries over 2 lines
+    assert legend_lines(fig) == [["rank 0's data", "rank 1's data"],
+                                 ["rank 2's data", "rank 3's data"]]
 
 
 def test_pictures_are_twice_their_screen_size_and_small():
@@ -224,14 +229,14 @@ def test_show_sampler_colours_each_index_by_the_ranks_that_get_it():
     # 5 samples on 2 ranks: padded to 6, so one index goes to both ranks.
     splits = [[3, 0, 4], [1, 2, 3]]
     fig = viz.show_sampler(splits, 5)
-    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["goes to rank 0", "goes to rank 1", "goes to several ranks (padding)"]
+    assert legend_read(fig) == ["goes to rank 0", "goes to rank 1",
+                                "goes to several ranks (padding)"]
     assert cell_at(fig, "0") == colour_of(0)  # the dataset row first: index 0, rank 0's
     assert cell_at(fig, "2") == colour_of(1)
     assert cell_at(fig, "3") == tuple(round(c, 3) for c in to_rgb(viz.COMBINED))
     assert texts(fig).count("again") == 1
     dropped = viz.show_sampler([[0], [1]], 3)  # drop_last: index 2 goes nowhere
-    assert "dropped (drop_last)" in [t.get_text() for t in dropped.axes[0].get_legend().get_texts()]
+    assert "dropped (drop_last)" in legend_read(dropped)
     with pytest.raises(ValueError, match="outside the dataset"):
         viz.show_sampler([[0, 9]], 3)
 
@@ -482,6 +487,36 @@ def test_show_launch_puts_each_process_in_its_node_in_its_rank_colour():
         viz.show_launch([("empty", [])])
 
 
+def test_show_ring_draws_a_row_per_step_and_frames_what_arrived_in_the_senders_colour():
+    steps = [("start", [[0, 1], [10, 11]], [[0, 0], [1, 1]], []),
+             ("step 1", [[0, 12], [10, 11]], [[0, (0, 1)], [1, 1]], [(1, 0, 1)])]
+    fig = viz.show_ring(steps, title="ring")
+    shown = texts(fig)
+    assert {"start", "step 1", "rank 0", "rank 1", "12"} <= set(shown)
+    framed = [p for p in fig.axes[0].patches
+              if isinstance(p, Rectangle) and p.get_linewidth() > 2.5]
+    assert len(framed) == 1  # one arrival, framed in rank 1's colour
+    assert framed[0].get_edgecolor()[:3] == pytest.approx(viz.line_color(viz.rank_color(1)))
+    assert fig.get_figwidth() <= 10.0
+    with pytest.raises(ValueError, match="no steps"):
+        viz.show_ring([])
+
+
+def test_show_overlap_names_every_span_and_its_size_does_not_follow_the_timings():
+    def spans(stretch):
+        return [viz.Span(r, 0.0, 0.001 * stretch, "layer 8", lane="backward") for r in (0, 1)] + [
+            viz.Span(r, 0.001 * stretch, 0.02, "layer 6", lane="backward") for r in (0, 1)] + [
+            viz.Span(r, 0.0011, 0.0015 + 0.01 * k * stretch, f"bucket {k}", waiting=True,
+                     lane="all_reduce") for r in (0, 1) for k in range(3)]
+    short, long = viz.show_overlap(spans(0.1)), viz.show_overlap(spans(1.0))
+    for fig in (short, long):
+        shown = texts(fig)
+        for label in ("layer 8", "layer 6", "bucket 0", "bucket 1", "bucket 2"):
+            assert shown.count(label) == 2, label  # once per rank, fitting or not
+        assert fig.get_figwidth() <= 10.0
+    assert short.get_size_inches() == pytest.approx(long.get_size_inches())
+    with pytest.raises(ValueError, match="no spans"):
+        viz.show_overlap([])
 @pytest.mark.parametrize("draw", [
     lambda: viz.show_ranks([torch.arange(16)] * 8),
     lambda: viz.show_before_after([torch.arange(16).reshape(4, 4), *[torch.zeros(4)] * 3],
@@ -507,13 +542,31 @@ def test_every_family_fits_the_page(draw):
     assert viz.screen_size(fig)[0] <= 1000
 
 
-def test_a_legend_stays_on_one_row_where_it_fits_and_wraps_evenly_where_not():
-    from ddplab.viz.canvas import legend_columns
+def test_a_legend_stays_on_one_line_where_it_fits_and_keeps_the_ranks_together():
+    from ddplab.viz.canvas import legend_rows
 
-    labels = [f"rank {r}'s data" for r in range(4)] + ["combined from the ranks in its bar"]
-    assert legend_columns(labels, 10.0) == 5  # one row on the page
-    assert legend_columns(labels, 7.0) == 3   # two rows: 3 + 2, not 4 + 1
-    assert legend_columns(labels[:4], 3.0) == 1
+    entries = [(r, f"rank {r}'s data") for r in range(4)] + [
+        ("combined", "combined from the ranks in its bar")]
+    labels = [label for _, label in entries]
+    assert legend_rows(entries, 10.0) == [labels]  # one line on the page
+    assert legend_rows(entries, 6.0) == [labels[:4], labels[4:]]  # ranks, then the rest
+    six = [(r, f"rank {r}'s data") for r in range(6)]
+    assert [len(line) for line in legend_rows(six, 5.0)] == [3, 3]  # never 5 + 1
+    assert legend_rows(entries[:4], 1.0) == [[label] for label in labels[:4]]
+
+
+def test_rendezvous_draws_an_arrow_per_client_and_a_link_per_pair_within_the_page():
+    fig = viz.show_rendezvous(4, "127.0.0.1:29500", title="rendezvous")
+    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    links = [line for line in fig.axes[0].lines]
+    assert len(arrows) == 3 and len(links) == 6  # ranks 1-3 to rank 0; 4 choose 2
+    assert viz.screen_size(fig)[0] <= 1000
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "store 127.0.0.1:29500" in texts and "rank 3" in texts
+    for size in (1, 7):
+        with pytest.raises(ValueError, match="2 to 6 ranks"):
+            viz.show_rendezvous(size, "127.0.0.1:29500")
+
 
 
 def test_show_deal_pads_the_shuffled_list_and_deals_it_round_robin():

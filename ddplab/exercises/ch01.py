@@ -2,8 +2,8 @@
 
 1.1  node_mates(rank, gpus_per_node) -> the ranks on the same node: who shares my machine?
 1.2  whoami() -> "rank R of W (local rank L)", run on every rank: who am I?
-1.3  threads_per_rank(cores, ranks_per_node, workers_per_rank) -> threads: how many CPU
-     threads may a rank use beside its data-loader workers?
+1.3  place(hosts) -> [(node, local_rank), ...]: each rank's node and local rank, from the
+     host each rank runs on, whatever the launcher's placement.
 """
 
 from __future__ import annotations
@@ -103,42 +103,102 @@ def check_whoami(whoami) -> str:
 
 # --- 1.3 ---------------------------------------------------------------------------------
 
-# (cores, ranks per node, data-loader workers per rank)
-_MACHINES = ((64, 8, 4), (64, 8, 0), (2, 2, 0), (16, 3, 1), (8, 8, 2), (96, 8, 3),
-             (4, 1, 2), (12, 5, 0), (24, 4, 5), (23, 3, 2))
+# Each rank's host, in rank order: blocks as torchrun numbers them first, then layouts where
+# rank // gpus_per_node no longer works (round-robin placement, unsorted names, unequal nodes).
+_LAYOUTS = (
+    ["node02"] * 4 + ["node03"] * 4,
+    ["a", "b", "c"] * 2,
+    ["gpu-b", "gpu-b", "gpu-a", "gpu-a"],
+    ["n1", "n1", "n1", "n2"],
+    ["x", "y", "y", "x", "z", "y"],
+    ["localhost"] * 3,
+    ["h0", "h1", "h2"],
+)
 
 
-@exercise("1.3", "Threads beside data-loader workers", solution="threads_per_rank",
-          hint="count the cores the workers take first; what is left is shared between the "
-               "node's ranks. A thread count is whole, and cannot be less than one.")
-def check_threads_per_rank(threads_per_rank) -> str:
-    for cores, per_node, workers in _MACHINES:
-        got = threads_per_rank(cores, per_node, workers)
-        call = (f"threads_per_rank(cores={cores}, ranks_per_node={per_node}, "
-                f"workers_per_rank={workers})")
-        expect(isinstance(got, int) and not isinstance(got, bool),
-               f"{call} returned {got!r}; it should be a whole number of threads (an int).",
-               "" if got is None else "torch.set_num_threads takes an int; // is integer "
-                                      "division.")
-        left = cores - per_node * workers
-        want = max(1, left // per_node)
-        if got == want:
+def _placement(hosts: list[str]) -> list[tuple[int, int]]:
+    nodes: dict[str, int] = {}
+    met: dict[str, int] = {}
+    out = []
+    for host in hosts:
+        nodes.setdefault(host, len(nodes))
+        out.append((nodes[host], met.get(host, 0)))
+        met[host] = met.get(host, 0) + 1
+    return out
+
+
+def _as_pairs(got, n: int, call: str) -> list[tuple[int, int]]:
+    expect(isinstance(got, (list, tuple)),
+           f"{call} returned {got!r}; it should return a list of {n} (node, local_rank) "
+           "pairs, one per rank.",
+           "" if got is None else "return a list, one entry per rank, in rank order.")
+    expect(len(got) == n, f"{call} returned {len(got)} entries for {n} ranks; it should "
+                          "return one (node, local_rank) pair per rank.")
+    for rank, pair in enumerate(got):
+        expect(isinstance(pair, (list, tuple)) and len(pair) == 2
+               and all(isinstance(v, int) and not isinstance(v, bool) for v in pair),
+               f"{call}: rank {rank}'s entry is {pair!r}; it should be a pair of whole "
+               "numbers, (node, local_rank).")
+    return [tuple(pair) for pair in got]
+
+
+def _why(hosts: list[str], got: list[tuple[int, int]], want: list[tuple[int, int]],
+         call: str) -> str:
+    """The first thing wrong with `got`, in terms of hosts, nodes and GPUs."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    for host, members in by_host.items():  # one host, one node number
+        nodes = sorted({got[r][0] for r in members})
+        if len(nodes) > 1:
+            return (f"{call}: ranks {', '.join(map(str, members))} run on the same host "
+                    f"{host!r}, yet they got nodes {nodes}. A node is a machine: every rank "
+                    "on one host has the same node number.")
+    for host, members in by_host.items():  # different hosts, different node numbers
+        for other, theirs in by_host.items():
+            if other != host and got[members[0]][0] == got[theirs[0]][0]:
+                return (f"{call}: hosts {host!r} and {other!r} both got node "
+                        f"{got[members[0]][0]}; different machines are different nodes.")
+    for host, members in by_host.items():  # local ranks: 0, 1, ... on each host
+        locals_ = [got[r][1] for r in members]
+        if locals_ == [want[r][1] for r in members]:
             continue
-        used = per_node * (got + workers)
-        workers_text = f"{workers} worker" + ("" if workers == 1 else "s")
-        if got < 1:
-            raise NotYet(f"{call} returned {got}: every rank needs at least one thread of "
-                         "its own.")
-        if got == max(1, cores // per_node) and workers:
-            raise NotYet(f"{call} returned {got}, as if the workers took no cores: "
-                         f"{per_node} ranks × ({got} threads + {workers_text}) = {used} "
-                         f"busy processes and threads on {cores} cores.")
-        if used > cores and got > 1:
-            raise NotYet(f"{call} returned {got}: {per_node} ranks × ({got} threads + "
-                         f"{workers_text}) = {used} on {cores} cores, oversubscribed.")
-        threads = "thread" if got == 1 else "threads"
-        raise NotYet(f"{call} returned {got}: {per_node} ranks × ({got} {threads} + "
-                     f"{workers_text}) = {used} leaves cores idle on a {cores}-core node; "
-                     "each rank may have more.")
-    return ("every node's cores are shared out after its data-loader workers, none "
-            "oversubscribed where it can be avoided, and no rank left without a thread.")
+        if locals_ == members and members != list(range(len(members))):
+            return (f"{call}: the ranks on host {host!r} got local ranks {locals_}, their "
+                    "global ranks; a local rank counts only the ranks on the rank's own "
+                    f"node, from 0: here {[want[r][1] for r in members]}.")
+        if locals_ == [v + 1 for v in range(len(members))]:
+            return (f"{call}: the ranks on host {host!r} got local ranks {locals_}; local "
+                    "ranks start at 0, like GPU numbers (set_device(local_rank)).")
+        twice = next((v for v in locals_ if locals_.count(v) > 1), None)
+        if twice is not None:
+            pair = [r for r in members if got[r][1] == twice][:2]
+            return (f"{call}: ranks {pair[0]} and {pair[1]} both run on host {host!r} with "
+                    f"local rank {twice}: both would drive GPU {twice} of that machine, and "
+                    "another GPU there would sit idle.")
+        return (f"{call}: the ranks on host {host!r} ({members}) got local ranks {locals_}; "
+                f"expected {[want[r][1] for r in members]}, counting them in rank order.")
+    order = list(dict.fromkeys(hosts))
+    if [got[by_host[h][0]][0] for h in sorted(order)] == list(range(len(order))):
+        return (f"{call}: the nodes are numbered in the alphabetical order of the host "
+                f"names; they go by rank instead: rank 0's host {hosts[0]!r} is node 0, the "
+                "next host to appear is node 1, and so on.")
+    return (f"{call}: the nodes are numbered "
+            f"{ {h: got[by_host[h][0]][0] for h in order} }; expected "
+            f"{ {h: want[by_host[h][0]][0] for h in order} }: rank 0's host is node 0, the "
+            "next host to appear (rank by rank) is node 1, and so on.")
+
+
+@exercise("1.3", "Node and local rank from host names", solution="place",
+          hint="go through the ranks in order and keep, for each host met so far, what you "
+               "know about it. Do not assume that a node's ranks are next to each other, or "
+               "that every node has as many.")
+def check_place(place) -> str:
+    for hosts in _LAYOUTS:
+        call = f"place({hosts})"
+        got = _as_pairs(place(list(hosts)), len(hosts), call)
+        want = _placement(list(hosts))
+        if got != want:
+            raise NotYet(_why(list(hosts), got, want, call))
+    return (f"all {len(_LAYOUTS)} layouts placed: blocks, round-robin, unsorted host names, "
+            "nodes of unequal size, one node, one rank per node.")

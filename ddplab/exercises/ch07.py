@@ -229,21 +229,29 @@ def _models() -> list[tuple[str, object, object, set[str]]]:
 
 
 @exercise("7.4", "Which parameters would DDP wait for?", solution="unused_parameters",
-          hint="run one forward and backward of the plain model (no DDP, no ranks), then "
-               "look at each named parameter: the ones that take part in training "
-               "(requires_grad) but got no .grad are the ones DDP would wait for.")
+          hint="DDP waits, in each iteration, until every parameter it reduces has its "
+               "gradient. Without DDP and in one process, what can you run, and what can you "
+               "read on each parameter afterwards, to tell which of those got none? And "
+               "which parameters does DDP reduce at all?")
 def check_unused_parameters(unused_parameters: Callable) -> str:
     for what, model, x, want in _models():
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         got = unused_parameters(model, x)
         expect(isinstance(got, (set, list, tuple)) and all(isinstance(n, str) for n in got),
                f"for {what}, your function returned {got!r}; it should return the parameters' "
                "names, as model.named_parameters() spells them.")
         got = set(got)
+        if got & frozen:
+            hint = ("a frozen parameter (requires_grad=False) is not one DDP waits for: it "
+                    "reduces only the parameters that require a gradient.")
+        elif got - want:
+            hint = (f"{sorted(got - want)[0]} does get a gradient when this model runs on this "
+                    "input. Which parameters go unused can depend on the input: find them "
+                    "from what happens on the x you were given.")
+        else:
+            hint = None
         expect(got == want,
                f"for {what}, your function named {sorted(got)}; DDP would wait for "
-               f"{sorted(want) or 'none of them'}.",
-               "a frozen parameter (requires_grad=False) is not one DDP waits for; and which "
-               "parameters are unused can depend on the input, so run the forward on it."
-               if got - want else None)
+               f"{sorted(want) or 'none of them'}.", hint)
     return ("unused parameters named for a fixed unused head, a frozen one (which DDP ignores) "
             "and a gate that depends on the input.")

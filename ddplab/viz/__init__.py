@@ -11,12 +11,16 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
 
 - tensors (`tensors`): `show_ranks`, `show_before_after`, `show_steps`, `show_transfers`,
   `show_inbox`: each rank's tensor, before and after, with arrows for what moved;
-- topology (`topology`): `show_cluster`, `show_launch`, `show_store`, `show_mesh`: nodes
-  and their devices, processes as a launcher placed them, a rendezvous store, a 2-D mesh;
+  `show_ring`: a ring all-reduce, a row per step;
+- topology (`topology`): `show_cluster`, `show_launch`, `show_store`, `show_rendezvous`,
+  `show_mesh`: nodes and their devices, processes as a launcher placed them, a rendezvous
+  store, the rendezvous itself, a 2-D mesh;
 - data (`data`): `show_digits`, `show_sampler`, `show_deal`: MNIST digits, a sampler's
   split, and how it deals the shuffled, padded indices out;
-- time (`timeline`): `show_timeline` (with `Span`), `show_flight`, `show_ddp_step`: what each
-  rank did when, the collectives its flight recorder kept, and one DDP step in order;
+- time (`timeline`): `show_timeline` (with `Span`), `show_flight`: what each rank did when,
+  and the collectives its flight recorder kept; `show_overlap`: computation and
+  communication side by side on each rank (DDP's backward and its buckets), every span named;
+  `show_ddp_step`: one DDP step on each rank, in order (a schematic, not measured);
 - bars (`bars`): `show_bars`, `show_buckets`: measured quantities, DDP's buckets by bytes;
 - curves (`curves`): `LossCurves`, each rank's training loss and their average, drawn live
   in the cell while the ranks train.
@@ -40,15 +44,23 @@ from ddplab.viz.curves import LossCurves
 from ddplab.viz.data import show_deal, show_digits, show_sampler
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
 from ddplab.viz.png import png_bytes, screen_size
-from ddplab.viz.tensors import show_before_after, show_inbox, show_ranks, show_steps, show_transfers
-from ddplab.viz.timeline import Span, show_ddp_step, show_flight, show_timeline
-from ddplab.viz.topology import show_cluster, show_launch, show_mesh, show_store
+from ddplab.viz.tensors import (
+    show_before_after,
+    show_inbox,
+    show_ranks,
+    show_ring,
+    show_steps,
+    show_transfers,
+)
+from ddplab.viz.timeline import Span, show_ddp_step, show_flight, show_overlap, show_timeline
+from ddplab.viz.topology import show_cluster, show_launch, show_mesh, show_rendezvous, show_store
 
 __all__ = [
     "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
     "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
     "rank_color", "screen_size", "show_bars", "show_before_after", "show_buckets",
     "show_cluster", "show_ddp_step", "show_deal", "show_digits", "show_flight", "show_inbox",
-    "show_launch", "show_mesh", "show_ranks", "show_sampler", "show_steps", "show_store",
-    "show_timeline", "show_transfers", "text_color", "tint",
+    "show_launch", "show_mesh", "show_overlap", "show_ranks", "show_rendezvous", "show_ring",
+    "show_sampler", "show_steps", "show_store", "show_timeline", "show_transfers", "text_color",
+    "tint",
 ]

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, title_width
-from ddplab.viz.palette import rank_color, text_color, tint
+from ddplab.viz.palette import tint
 
 MIN_BAR = 3.5  # inches: the longest bar is never shorter, so ratios stay easy to read
 
@@ -84,15 +84,20 @@ def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]
     """DDP's gradient buckets: one bar per layout, its parameters to scale by bytes.
 
     `layouts` is a list of (label, buckets); each bucket a list of (parameter name, bytes)
-    in the order DDP fills it. Buckets alternate shades with a thick border between them,
-    and the bar reads left to right in the order the buckets are all-reduced; each bucket
-    says its size below it, each parameter its name where it fits.
+    in the order DDP fills it. The bar reads left to right in the order the buckets are
+    all-reduced; each bucket is framed, says its size below it, and each parameter its name
+    where it fits. Buckets are drawn in greys, never in a rank's colour: every rank holds
+    the same buckets, so a colour here would claim an owner there is none of. Their shades
+    alternate so neighbours stand apart, and a note under the bars says so. The picture is
+    at most `BUCKETS_WIDTH` inches wide, whatever the number of parameters.
     """
     if not layouts or any(not buckets for _, buckets in layouts):
         raise ValueError("show_buckets needs at least one layout, each with a bucket")
-    row, left, length = 0.95, max(len(label) for label, _ in layouts) * 0.085 + 0.4, 11.0
+    row, left = 0.95, max(len(label) for label, _ in layouts) * 0.085 + 0.4
     top = 0.2 + (0.35 if title else 0)
-    width, height = max(left + length + 0.3, title_width(title)), top + row * len(layouts)
+    width = max(BUCKETS_WIDTH, title_width(title))
+    length = width - left - 0.3
+    height = top + row * len(layouts) + 0.35
     canvas = Canvas(width, height, CELL, title)
     ax = canvas.ax
     total = max(sum(b for bucket in buckets for _, b in bucket) for _, buckets in layouts)
@@ -102,25 +107,35 @@ def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]
         ax.text(left - 0.12, y + 0.22, label, ha="right", va="center", fontsize=FONT)
         x = left
         for k, bucket in enumerate(buckets):
-            color = rank_color(k)
+            shade = BUCKET_SHADES[k % 2]
             start = x
             for name, nbytes in bucket:
                 w = nbytes * scale
-                ax.add_patch(Rectangle((x, y), max(w, 0.01), 0.44, fc=tint(color, 0.45),
-                                       ec="white", lw=0.6))
-                if w > 0.075 * len(name) + 0.1:
+                ax.add_patch(Rectangle((x, y), max(w, 0.01), 0.44, fc=shade, ec="white",
+                                       lw=0.8))
+                if w > 0.07 * len(name) + 0.1:
                     ax.text(x + w / 2, y + 0.22, name, ha="center", va="center",
-                            fontsize=FONT - 2)
+                            fontsize=FONT - 1)
                 x += w
             ax.add_patch(Rectangle((start, y), max(x - start, 0.01), 0.44, fc="none",
-                                   ec=color, lw=1.8))
+                                   ec=BUCKET_FRAME, lw=1.8))
             size = _bytes_text(sum(b for _, b in bucket))
             fitting = [text for text in (f"bucket {k}: {size}", f"{k}: {size}", f"{k}")
                        if x - start > 0.075 * len(text)]
             if fitting:
                 ax.text((start + x) / 2, y - 0.06, fitting[0], ha="center", va="top",
-                        fontsize=FONT - 1, color=text_color(color))
+                        fontsize=FONT - 1, color="#333333")
+    ax.text(0.3, 0.12, "Buckets in greys, not in a rank's colour: every rank holds the same "
+            "buckets. A frame encloses each bucket; shades alternate from one to the next.",
+            ha="left", va="bottom", fontsize=FONT - 1, color="#333333", style="italic")
     return canvas.fig
+
+
+BUCKETS_WIDTH = MAX_WIDTH
+"""Inches `show_buckets` draws: the page's width, 1,000 screen pixels."""
+BUCKET_SHADES = ("#E3E3E3", "#BDBDBD")
+"""Two greys that alternate from bucket to bucket: no rank's colour (see the palette)."""
+BUCKET_FRAME = "#333333"
 
 
 def _bytes_text(nbytes: int) -> str:

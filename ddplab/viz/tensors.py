@@ -9,7 +9,9 @@ scatter or an all_to_all a learner sees at a glance which values moved where.
   out of a root or into a root's Σ;
 - `show_steps(steps)`: the ranks' tensors after each of several steps (a ring all-reduce);
 - `show_transfers(tensors, moves)`: panels with an arc for each message, rank to rank;
-- `show_inbox(inbox, senders, sent)`: one rank's received messages, an arrow per sender.
+- `show_inbox(inbox, senders, sent)`: one rank's received messages, an arrow per sender;
+- `show_ring(steps)`: a ring all-reduce as one grid, a row per step, each chunk that has
+  just arrived framed in its sender's colour.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
 
 from ddplab.viz.canvas import (
     CELL,
@@ -35,7 +38,7 @@ from ddplab.viz.canvas import (
     title_width,
 )
 from ddplab.viz.cells import Panel, as_grid, owner_grid, rank_panels
-from ddplab.viz.palette import line_color, rank_color, text_color
+from ddplab.viz.palette import COMBINED, line_color, rank_color, text_color, tint
 
 ARC = 0.15  # how far an arrow between panels bows, per inch of distance it spans
 
@@ -264,8 +267,7 @@ def show_inbox(inbox, senders: Sequence[int], sent: dict, *, receiver: int = 0,
     widths = [as_grid(sent[s]).shape[1] for s in senders]
     right = 0.3 + cols * cell + gap + max(widths) * cell + 1.0
     ranks = max([receiver, *senders]) + 1
-    legend_h = legend_height([label for _, label in legend_entries(set(senders), ranks)],
-                             max(right, title_width(title)))
+    legend_h = legend_height(legend_entries(set(senders), ranks), max(right, title_width(title)))
     title_h = 0.45 if title else 0.1
     height = title_h + 0.35 + rows * cell + 0.25 + legend_h
     canvas = Canvas(max(right, title_width(title)), height, cell, title)
@@ -290,3 +292,65 @@ def show_inbox(inbox, senders: Sequence[int], sent: dict, *, receiver: int = 0,
                            color=text_color(rank_color(s)))
     canvas.legend(ranks)
     return canvas.fig
+
+
+RING_WIDTH = MAX_WIDTH
+"""Inches `show_ring` may take: the page's width, 1,000 screen pixels."""
+
+
+def show_ring(steps: Sequence[tuple[str, Sequence, Sequence, Sequence[tuple[int, int, int]]]],
+              *, title: str | None = None) -> Figure:
+    """A ring all-reduce (or any schedule of chunks) as one grid: a row per step, a column
+    per rank.
+
+    `steps` is a list of (caption, values, owners, arrivals): `values[r][c]` is chunk c on
+    rank r after the step, `owners[r][c]` whose data it holds (as in `show_ranks`), and
+    `arrivals` the step's messages as (src, dst, chunk). A chunk that has just arrived is
+    framed in its sender's colour, so each row shows both what every rank holds and what
+    moved to make it so; the ranks' names head the columns once, in their colours.
+    """
+    if not steps:
+        raise ValueError("no steps to draw")
+    n = len(steps[0][1])
+    chunks = max(len(as_grid(v).reshape(-1)) for _, values, _, _ in steps for v in values)
+    left = max(label_size(caption, FONT)[0] for caption, *_ in steps) + 0.45
+    gap = 0.35
+    cell = max(MIN_CELL_RING, min(CELL, (RING_WIDTH - left - 0.2 - gap * (n - 1))
+                                  / (n * chunks)))
+    width = max(left + n * chunks * cell + gap * (n - 1) + 0.2, title_width(title))
+    row_h, head = cell + 0.2, 0.35
+    title_h = 0.45 if title else 0.1
+    legend_h = 0.85
+    height = title_h + head + row_h * len(steps) + legend_h
+    canvas = Canvas(width, height, cell, title)
+    ax = canvas.ax
+    xs = [left + r * (chunks * cell + gap) for r in range(n)]
+    for r, x in enumerate(xs):
+        ax.text(x + chunks * cell / 2, height - title_h - 0.05, f"rank {r}", ha="center",
+                va="top", fontsize=FONT + 1, fontweight="bold",
+                color=text_color(rank_color(r)))
+    for i, (caption, values, owners, arrivals) in enumerate(steps):
+        y = height - title_h - head - (i + 1) * row_h + 0.1
+        ax.text(left - 0.2, y + cell / 2, caption, ha="right", va="center", fontsize=FONT)
+        for r in range(n):
+            grid = as_grid(values[r])
+            panel = Panel(r, grid, owner_grid(owners[r], grid.shape, r), "", xs[r], y)
+            canvas.grid(panel)
+        for src, dst, chunk in arrivals:
+            ax.add_patch(Rectangle((xs[dst] + chunk * cell + 0.03, y + 0.03), cell - 0.06,
+                                   cell - 0.06, fill=False, lw=2.6,
+                                   ec=line_color(rank_color(src)), zorder=3))
+    handles = [Patch(fc=tint(rank_color(r)), ec=line_color(rank_color(r)),
+                     label=f"rank {r}'s data") for r in range(n)]
+    handles.append(Patch(fc=COMBINED, ec="#999999", label="summed from the ranks in its bar"))
+    ax.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
+              fontsize=FONT - 1, bbox_to_anchor=(0.0, 0.3 / height), handlelength=1.5,
+              columnspacing=1.0)
+    ax.text(0.3, 0.08, "A thick frame: the chunk arrived in this step; the frame's colour is "
+            "its sender's.", ha="left", va="bottom", fontsize=FONT - 1, color="#333333",
+            style="italic")
+    return canvas.fig
+
+
+MIN_CELL_RING = 0.3
+"""Inches: the smallest cell `show_ring` draws (two-digit sums stay legible)."""

@@ -21,7 +21,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas
+from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, label_size
 from ddplab.viz.palette import COMBINED, EMPTY, rank_color, text_color, tint
 
 
@@ -182,6 +182,120 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
                Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="never issued")]
     ax.legend(handles=handles, loc="lower left", ncol=3, frameon=False, fontsize=FONT - 1,
               bbox_to_anchor=(0.0, 0.0), handlelength=1.5, columnspacing=1.2)
+    return canvas.fig
+
+
+OVERLAP_WIDTH = MAX_WIDTH
+"""Inches `show_overlap` draws: the page's width, 1,000 screen pixels."""
+
+
+def show_overlap(spans: Sequence[Span], *, title: str | None = None) -> Figure:
+    """Computation and communication on each rank at the same time, every span named.
+
+    As `show_timeline`, one lane per rank and `Span.lane` (DDP's "backward" and
+    "all_reduce"), solid for work and hatched for waiting, in the rank's colour. A lane of
+    waiting spans gets a row per label (a row per bucket), since waits overlap each other
+    (an all-reduce is still in flight when the next bucket is handed over); its size never
+    depends on the timings. Where a span is too short to hold its label, the label goes
+    beside it: in its own row after it, or, in a lane of work, beside the lane (above the
+    rank's first lane, below its others), pushed along until it clears its neighbours,
+    with a line to its span. Overlap is about short spans next to long ones, and a picture
+    that names only the long ones hides which bucket went when.
+    """
+    if not spans:
+        raise ValueError("no spans to draw")
+    t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+    seen = list(dict.fromkeys((s.rank, s.lane) for s in spans))
+    lanes = sorted(seen, key=lambda key: (key[0], seen.index(key)))
+    row_of: dict[Span, int] = {}
+    rows = dict.fromkeys(lanes, 1)
+    for key in lanes:  # a waiting lane: a row per label, so overlapping waits never collide
+        mine = [s for s in spans if (s.rank, s.lane) == key]
+        if all(s.waiting for s in mine):
+            labels = list(dict.fromkeys(s.label for s in sorted(mine, key=lambda s: s.start)))
+            row_of.update({s: labels.index(s.label) for s in mine})
+            rows[key] = len(labels)
+        else:
+            row_of.update(dict.fromkeys(mine, 0))
+    gantt = {key for key in lanes if rows[key] > 1}
+    first = {rank: next(k for k in lanes if k[0] == rank) for rank, _ in lanes}
+    row_h, strip, left, right = 0.36, 0.3, 2.0, 0.45
+    axis = OVERLAP_WIDTH - left - right
+    scale = axis / max(t1 - t0, 1e-9)
+    ranks = list(dict.fromkeys(rank for rank, _ in lanes))
+    top = 0.15 + (0.4 if title else 0)
+    last = {rank: [k for k in lanes if k[0] == rank][-1] for rank in ranks}
+    # room for labels beside a lane of work: above the rank's first lane, below its last
+    room = {rank: (strip if first[rank] not in gantt else 0.1,
+                   strip if last[rank] not in gantt and last[rank] != first[rank] else 0.1)
+            for rank in ranks}
+    height = (top + sum(a + b + 0.15 for a, b in room.values())
+              + sum(row_h * rows[k] + 0.04 for k in lanes) + 0.75)
+    canvas = Canvas(OVERLAP_WIDTH, height, CELL, title)
+    ax = canvas.ax
+    y_of, y = {}, height - top  # the bottom of each lane
+    for rank in ranks:
+        y -= room[rank][0]
+        for key in (k for k in lanes if k[0] == rank):
+            y -= row_h * rows[key] + 0.04
+            y_of[key] = y
+        y -= room[rank][1] + 0.15
+
+    def x(t: float) -> float:
+        return left + (t - t0) * scale
+
+    for key, y0 in y_of.items():
+        rank, name = key
+        ax.text(left - 0.1, y0 + row_h * rows[key] / 2,
+                f"rank {rank}" + (f" · {name}" if name else ""), ha="right", va="center",
+                fontsize=FONT, fontweight="bold", color=text_color(rank_color(rank)))
+    outside: dict[tuple[int, str], list[Span]] = {}
+    for s in spans:
+        key = (s.rank, s.lane)
+        color = rank_color(s.rank)
+        bottom = y_of[key] + row_h * (rows[key] - 1 - row_of[s])
+        w = max((s.end - s.start) * scale, 0.02)
+        ax.add_patch(Rectangle((x(s.start), bottom + 0.04), w, row_h - 0.08,
+                               fc=tint(color, 0.8 if s.waiting else 0.35), ec=color,
+                               hatch="///" if s.waiting else None, lw=0.8))
+        if w > label_size(s.label)[0] + 0.08:
+            ax.text(x(s.start) + w / 2, bottom + row_h / 2, s.label, ha="center",
+                    va="center", fontsize=FONT - 1,
+                    bbox={"fc": "white", "ec": "none", "alpha": 0.8, "pad": 1})
+        elif key in gantt:  # its row is its own: the label goes beside it
+            after = x(s.start) + w + 0.06 + label_size(s.label)[0] <= OVERLAP_WIDTH - 0.05
+            ax.text(x(s.start) + w + 0.06 if after else x(s.start) - 0.06, bottom + row_h / 2,
+                    s.label, ha="left" if after else "right", va="center",
+                    fontsize=FONT - 1)
+        else:
+            outside.setdefault(key, []).append(s)
+    for key, short in outside.items():
+        above = key == first[key[0]]
+        y0, lane_h = y_of[key], row_h * rows[key]
+        text_y = y0 + lane_h + strip / 2 + 0.02 if above else y0 - strip / 2 - 0.02
+        end = -1e9
+        for s in sorted(short, key=lambda s: (s.start + s.end) / 2):
+            w, _ = label_size(s.label)
+            bottom = y0 + row_h * (rows[key] - 1 - row_of[s])
+            edge = bottom + row_h - 0.04 if above else bottom + 0.04
+            middle = x((s.start + s.end) / 2)
+            at = min(max(middle - w / 2, end + 0.08), OVERLAP_WIDTH - 0.05 - w)
+            end = at + w
+            ax.text(at + w / 2, text_y, s.label, ha="center", va="center", fontsize=FONT - 1)
+            ax.plot([middle, at + w / 2], [edge, text_y + (-0.08 if above else 0.08)],
+                    color="#777777", lw=0.7)
+    base = y + 0.1
+    ax.plot([left, left + axis], [base, base], color="#555555", lw=0.8)
+    step = _time_step(t1 - t0)
+    for k in range(int((t1 - t0) / step + 1e-9) + 1):
+        ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
+        ax.text(x(t0 + k * step), base - 0.1, _time_text(k * step, step), ha="center",
+                va="top", fontsize=FONT - 1)
+    handles = [Patch(fc=tint("#777777", 0.35), ec="#777777", label="computing (solid)"),
+               Patch(fc=tint("#777777", 0.8), ec="#777777", hatch="///",
+                     label="waiting for a collective to finish (hatched)")]
+    ax.legend(handles=handles, loc="lower left", ncol=2, frameon=False, fontsize=FONT - 1,
+              bbox_to_anchor=(0.02, 0.0), handlelength=1.5, columnspacing=1.5)
     return canvas.fig
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
@@ -212,4 +213,91 @@ def show_mesh(mesh: Sequence[Sequence[int]], *, dim_names: Sequence[str] = ("dim
         x, y = corner(rows - 1, j)
         ax.text(x + box_w / 2, y - 0.15, f"{dim0} group\n{[row[j] for row in grid]}",
                 ha="center", va="top", fontsize=FONT, color="#333333")
+    return canvas.fig
+
+
+def _edge(center: tuple[float, float], half: tuple[float, float],
+          toward: tuple[float, float]) -> tuple[float, float]:
+    """Where the line from a box's center toward a point leaves the box."""
+    dx, dy = toward[0] - center[0], toward[1] - center[1]
+    scale = min(half[0] / abs(dx) if dx else float("inf"),
+                half[1] / abs(dy) if dy else float("inf"))
+    return center[0] + dx * scale, center[1] + dy * scale
+
+
+def show_rendezvous(world_size: int, address: str, *, title: str | None = None) -> Figure:
+    """Rendezvous in two panels: every rank meets at rank 0's store, then they talk directly.
+
+    Left: rank 0 serves a key-value store at `address` ("MASTER_ADDR:MASTER_PORT"), and
+    each other rank connects to it (an arrow in that rank's colour) to write how to reach
+    it and read how to reach the others. Right: what the backend builds from those notes,
+    a direct connection between every pair of ranks (gloo's full mesh); the store is idle
+    from then on. The ranks stand on a circle, rank 0 at the top, in their colours.
+    """
+    if not 2 <= world_size <= 6:
+        raise ValueError(f"show_rendezvous draws 2 to 6 ranks, got world_size={world_size}")
+    panel_w, gap, margin = 4.55, 0.3, 0.3
+    top = 0.5 if title else 0.15
+    head, foot = 0.35, 0.6  # room for each panel's heading, and for its caption
+    circle_h = 2.9 if world_size <= 4 else 3.6
+    width = 2 * panel_w + gap + 2 * margin
+    height = top + head + circle_h + foot
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    box_w, box_h = 0.95, 0.42
+    zero_w, zero_h = 2.05, 0.78  # rank 0's box holds the store
+    radius_x, radius_y = (1.45, 0.95) if world_size <= 4 else (1.6, 1.3)
+
+    def places(x0: float) -> list[tuple[float, float]]:
+        cx, cy = x0 + panel_w / 2, foot + circle_h / 2 + 0.02
+        angles = [np.pi / 2 - 2 * np.pi * r / world_size for r in range(world_size)]
+        return [(cx + radius_x * np.cos(a), cy + radius_y * np.sin(a)) for a in angles]
+
+    def half(rank: int) -> tuple[float, float]:
+        return (zero_w / 2, zero_h / 2) if rank == 0 else (box_w / 2, box_h / 2)
+
+    def draw_ranks(spots: list[tuple[float, float]], store_idle: bool) -> tuple:
+        for rank, (x, y) in enumerate(spots):
+            w, h = (2 * v for v in half(rank))
+            color = rank_color(rank)
+            ax.add_patch(Rectangle((x - w / 2, y - h / 2), w, h, fc=tint(color),
+                                   ec=line_color(color), lw=1.6, zorder=3))
+            ax.text(x, y + (h / 2 - 0.17 if rank == 0 else 0), f"rank {rank}", ha="center",
+                    va="center", fontsize=FONT + 1, fontweight="bold", zorder=4)
+        x, y = spots[0]
+        store = (x, y - 0.12)
+        ax.add_patch(Rectangle((store[0] - 0.9, store[1] - 0.16), 1.8, 0.32,
+                               fc="#F2F2F2" if store_idle else "white",
+                               ec="#999999" if store_idle else "#333333",
+                               ls="--" if store_idle else "-", lw=1.0, zorder=4))
+        ax.text(*store, f"store {address}", ha="center", va="center", fontsize=FONT - 1,
+                family="monospace", color="#888888" if store_idle else "#111111", zorder=5)
+        return store
+
+    for k, (heading, caption) in enumerate((
+            ("1 · meet at rank 0's store",
+             "every rank, rank 0 too, connects to MASTER_ADDR:MASTER_PORT,\n"
+             "writes how to reach it, reads the others' notes"),
+            ("2 · then talk directly",
+             f"a connection between every pair of ranks ({world_size * (world_size - 1) // 2}"
+             " here);\nthe tensors never pass through the store"))):
+        x0 = margin + k * (panel_w + gap)
+        ax.add_patch(Rectangle((x0, foot - 0.05), panel_w, circle_h + head + 0.05,
+                               fc="none", ec="#CCCCCC", lw=1.0))
+        ax.text(x0 + 0.12, foot + circle_h + head - 0.08, heading, ha="left", va="top",
+                fontsize=FONT + 1, fontweight="bold", color="#333333")
+        ax.text(x0 + panel_w / 2, foot - 0.12, caption, ha="center", va="top",
+                fontsize=FONT - 1, color="#333333", linespacing=1.25)
+        spots = places(x0)
+        store = draw_ranks(spots, store_idle=k == 1)
+        if k == 0:
+            for rank in range(1, world_size):
+                start = _edge(spots[rank], half(rank), store)
+                end = _edge(spots[0], half(0), spots[rank])
+                canvas.arrow(start, end, rank_color(rank))
+        else:
+            for a in range(world_size):
+                for b in range(a + 1, world_size):
+                    ax.plot([spots[a][0], spots[b][0]], [spots[a][1], spots[b][1]],
+                            color="#666666", lw=1.6, zorder=2, solid_capstyle="butt")
     return canvas.fig

@@ -21,7 +21,11 @@ def whoami():
     return f"rank {dist.get_rank()} of {dist.get_world_size()} (local rank {local_rank})"
 
 
-def threads_per_rank(cores, ranks_per_node, workers_per_rank):
-    """Exercise 1.3: an even share of the cores the workers leave, at least one thread."""
-    left = cores - ranks_per_node * workers_per_rank
-    return max(1, left // ranks_per_node)
+def place(hosts):
+    """Exercise 1.3: nodes in order of first appearance; local ranks counted per host."""
+    nodes, met, out = {}, {}, []
+    for host in hosts:
+        nodes.setdefault(host, len(nodes))
+        out.append((nodes[host], met.get(host, 0)))
+        met[host] = met.get(host, 0) + 1
+    return out

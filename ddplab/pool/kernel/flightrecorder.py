@@ -1,11 +1,12 @@
 """The flight recorder's dumps, read for a hang report: which rank is behind, and where.
 
 torch keeps, in every process, a ring buffer of the last collectives each process group
-issued (the "flight recorder"; on by default, `TORCH_FR_BUFFER_SIZE` entries). Each entry
-has the group's sequence number of the collective, its name ("gloo:all_reduce"), its
-tensors' sizes and its state; each group also has its last enqueued and last completed
-sequence numbers. Dumps from all ranks, side by side, answer the first question of any
-hang: did every rank issue the same collectives, and who stopped where?
+issued (the "flight recorder": on by default for gloo and NCCL, its size read by the C++
+`FlightRecorder` from `TORCH_FR_BUFFER_SIZE`, 2,000 entries unless set). Each entry has the
+group's sequence number of the collective, its name ("gloo:all_reduce"), its tensors' sizes
+and its state; each group also has its last enqueued and last completed sequence numbers.
+Dumps from all ranks, side by side, answer the first question of any hang: did every rank
+issue the same collectives, and who stopped where?
 
 When a pool call hangs, the pool takes a dump from every rank of the call before it stops
 them (`RankError.flight`: rank -> the dump, torch's JSON text), and the report says what
