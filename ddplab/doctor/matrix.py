@@ -119,8 +119,8 @@ class SupportMatrix:
 
     def render(self, only_probed: bool = False) -> str:
         """The table, its legend and notes. `only_probed=True` leaves out the columns where
-        nothing was probed (no GPU, a backend torch lacks) and names them, with the reason,
-        in one line instead: on a CPU-only machine, three columns of "–" say nothing more."""
+        nothing was probed (no GPU, a backend torch lacks) and names them under it, with
+        the reason: on a CPU-only machine, three columns of "–" say nothing more."""
         notes: dict[str, int] = {}
 
         def label(cell: Cell) -> str:
@@ -136,26 +136,30 @@ class SupportMatrix:
         body = [[op.name, *(label(self[op.name, column]) for column in columns)]
                 for op in self.ops]
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+        legend = LEGEND
+        if only_probed:  # the legend names only the marks the table shows
+            if not any(not self[op.name, c].probed for op in self.ops for c in columns):
+                legend = legend.replace("   – not probed", "")
+            if not notes:
+                legend = legend.replace("   [n] see note n", "")
         lines = [f"Probed live: {ranks} per column, {self.timeout:g} s per call.", "",
-                 format_table(body, header=header, rule=True), "",
-                 LEGEND if any(not self[op.name, c].probed for op in self.ops for c in columns)
-                 else LEGEND.replace("   – not probed", "")]
+                 format_table(body, header=header, rule=True), "", legend]
         lines += [f"[{number}] {text}" for text, number in notes.items()]
         if skipped:
-            lines.append(f"Not probed: {self._why_not(skipped)}.")
+            lines += ["Not probed:", *(f"  {why}" for why in self._why_not(skipped))]
         shown = set(map(str, columns))
         lines += [how for column, how in self.ran_with.items() if column in shown]
         return "\n".join(lines)
 
-    def _why_not(self, columns: list[Column]) -> str:
-        """'gloo/cuda and nccl/cuda (no GPU: ...); mpi/cpu (built without MPI)': the columns
+    def _why_not(self, columns: list[Column]) -> list[str]:
+        """['gloo/cuda and nccl/cuda (no GPU: ...)', 'mpi/cpu (built without MPI)']: the columns
         grouped by the reason they were skipped, in the matrix's order."""
         by_reason: dict[str, list[str]] = {}
         for column in columns:
             reasons = {self[op.name, column].detail for op in self.ops}
             reason = reasons.pop() if len(reasons) == 1 else ""
             by_reason.setdefault(reason, []).append(str(column))
-        return "; ".join(f"{' and '.join(names)} ({reason})" if reason else " and ".join(names)
-                         for reason, names in by_reason.items())
+        return [" and ".join(names) + (f" ({reason})" if reason else "")
+                for reason, names in by_reason.items()]
 
     __str__ = __repr__ = render
