@@ -733,6 +733,18 @@ def _torchrun_only(env):
     return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
 
 
+def _slurm_before_mpirun(env):
+    """6.1, wrong: an srun step's variables before OpenMPI's (mpirun inside a Slurm job)."""
+    for names in (("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"),
+                  ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID",
+                   "SLURM_STEP_NUM_TASKS"),
+                  ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                   "OMPI_COMM_WORLD_SIZE")):
+        if names[0] in env:
+            return tuple(int(env[name]) for name in names[1:])
+    return 0, 0, 1
+
+
 def _standalone_everywhere(node):
     """6.2, wrong: --standalone makes each node a job of its own."""
     rank = ["node02", "node03", "node04"].index(node)
@@ -781,6 +793,8 @@ CHAPTER_6 = [
      "this very process"),
     ("6.1", _torchrun_only, "for srun --ntasks=8 over 2 nodes, your function raised KeyError",
      "use env.get(name)"),
+    ("6.1", _slurm_before_mpirun, "for mpirun inside a Slurm job of 2 nodes", "look for the "
+     "innermost first"),
     ("6.2", _standalone_everywhere, "node_command('node02') uses --standalone",
      "drop --standalone"),
     ("6.2", _node_rank_zero, "node_command('node03') has --node_rank=0, but node03 is node "
@@ -899,6 +913,25 @@ def _unknown_flat(t):
     return data
 
 
+def _unknown_assumes_2d(t):
+    """3.2, close: sends the shape in a header of fixed size, but as if every tensor had two
+    dimensions (rows, the rest), so a 1-D tensor arrives as a column."""
+    import torch
+    import torch.distributed as dist
+
+    header = torch.zeros(2, dtype=torch.int64)
+    if dist.get_rank() == 0:
+        header[0], header[1] = t.shape[0], t.numel() // t.shape[0]
+        for dst in range(1, dist.get_world_size()):
+            dist.send(header, dst=dst)
+            dist.send(t.contiguous(), dst=dst)
+        return t
+    dist.recv(header, src=0)
+    data = torch.empty(header.tolist(), dtype=torch.float32)
+    dist.recv(data, src=0)
+    return data
+
+
 def _ring_gather_in_arrival_order(t):
     """3.3, wrong places: the tensors in the order they arrived, not in rank order."""
     import torch
@@ -945,6 +978,8 @@ CHAPTER_3 = [
      "of plain tensors"),
     ("3.2", _unknown_flat, "with rank 0's tensor of shape (2, 3), rank 1 returned a tensor of "
      "shape (6,)", "number of dimensions"),
+    ("3.2", _unknown_assumes_2d, "with rank 0's tensor of shape (5,), rank 1 returned a tensor "
+     "of shape (5, 1)", "number of dimensions"),
     ("3.3", _ring_gather_in_arrival_order, "with 3 ranks, item 1 of rank 0's list is "
      "tensor([20, 21, 22], dtype=int64); expected rank 1's", "tens digit of what just "
      "arrived"),
