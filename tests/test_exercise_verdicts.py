@@ -550,6 +550,22 @@ def _all_gather_itself(t):
     return out
 
 
+def _one_broadcast(t):
+    """4.2, wrong: one broadcast from rank 0, as if it brought everyone's tensor."""
+    import torch.distributed as dist
+
+    buffer = t.clone()
+    dist.broadcast(buffer, src=0)
+    return [buffer]
+
+
+def _own_piece_only(t):
+    """4.3, wrong: no communication at all, each rank keeps piece r of its own t."""
+    import torch.distributed as dist
+
+    return t.chunk(dist.get_world_size())[dist.get_rank()].clone()
+
+
 def _whole_sum(t):
     """4.3, wrong: every rank keeps the whole sum, not its piece."""
     import torch.distributed as dist
@@ -591,12 +607,16 @@ CHAPTER_4A = [
      "item k of the list must be the tensor broadcast by rank k"),
     ("4.2", _all_gather_itself, "the result is right, but with 3 ranks rank 0 called "
      "dist.all_gather", "broadcast shares one rank's tensor"),
+    ("4.2", _one_broadcast, "with 3 ranks (int64 tensors), rank 0 returned [",
+     "let each rank have its turn as the source"),
+    ("4.3", _own_piece_only, "with 2 ranks (int64 tensors of 6 values), rank 0 returned",
+     "that is piece r of your own t only"),
     ("4.3", _whole_sum, "with 2 ranks (int64 tensors of 6 values), rank 0 returned",
      "return only your piece"),
     ("4.3", _sum_in_place, "with 2 ranks (int64 tensors of 6 values), rank 0's tensor t was "
      "changed", "give them a copy"),
     ("4.3", _reduce_scatter_itself, "the result is right, but with 2 ranks rank 0 called "
-     "dist.reduce_scatter", "rank r's answer is piece r"),
+     "dist.reduce_scatter", "which of the two moves less data"),
 ]
 
 
