@@ -739,6 +739,18 @@ def _torchrun_only(env):
     return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
 
 
+def _slurm_before_mpirun(env):
+    """6.1, wrong: an srun step's variables before OpenMPI's (mpirun inside a Slurm job)."""
+    for names in (("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"),
+                  ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID",
+                   "SLURM_STEP_NUM_TASKS"),
+                  ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                   "OMPI_COMM_WORLD_SIZE")):
+        if names[0] in env:
+            return tuple(int(env[name]) for name in names[1:])
+    return 0, 0, 1
+
+
 def _standalone_everywhere(node):
     """6.2, wrong: --standalone makes each node a job of its own."""
     rank = ["node02", "node03", "node04"].index(node)
@@ -787,6 +799,8 @@ CHAPTER_6 = [
      "this very process"),
     ("6.1", _torchrun_only, "for srun --ntasks=8 over 2 nodes, your function raised KeyError",
      "use env.get(name)"),
+    ("6.1", _slurm_before_mpirun, "for mpirun inside a Slurm job of 2 nodes", "look for the "
+     "innermost first"),
     ("6.2", _standalone_everywhere, "node_command('node02') uses --standalone",
      "drop --standalone"),
     ("6.2", _node_rank_zero, "node_command('node03') has --node_rank=0, but node03 is node "

@@ -7,12 +7,14 @@ in the cells, the colour of each cell (whose data it holds), labels, legends and
 from __future__ import annotations
 
 import io
+import itertools
 import warnings
 
 import numpy as np
 import pytest
 import torch
 from matplotlib.colors import to_rgb
+from matplotlib.legend import Legend
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from ddplab import flight, viz
@@ -84,8 +86,7 @@ def test_combined_values_carry_a_bar_with_every_source_rank():
     bars = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)
             and p.get_height() < viz.CELL * 0.5]
     assert [p.get_facecolor()[:3] for p in bars] == [to_rgb(viz.rank_color(r)) for r in (0, 1, 2)]
-    assert "combined from the ranks in its bar" in [
-        t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "combined from the ranks in its bar" in legend_read(fig)
 
 
 def test_two_d_tensors_are_grids_and_floats_fit():
@@ -126,21 +127,23 @@ def test_every_rank_colour_reads_on_white_as_text_and_as_a_line():
     assert viz.line_color("#332288") == pytest.approx(to_rgb("#332288"))
 
 
+def legend_lines(fig) -> list[list[str]]:
+    """The legend's entries as a learner reads them: line by line from the top, each line
+    left to right (the canvas draws one matplotlib legend per line)."""
+    ax = fig.axes[0]
+    legends = [a for a in ax.get_children() if isinstance(a, Legend)]
+    legends.sort(key=lambda legend: -legend.get_bbox_to_anchor().y0)
+    return [[t.get_text() for t in legend.get_texts()] for legend in legends]
+
+
 def legend_read(fig) -> list[str]:
-    """The legend's entries as a learner reads them: row by row, left to right
-    (matplotlib lays a legend's entries out column by column)."""
-    legend = fig.axes[0].get_legend()
-    labels = [t.get_text() for t in legend.get_texts()]
-    columns = legend._ncols
-    rows = -(-len(labels) // columns)
-    return [labels[c * rows + r] for r in range(rows) for c in range(columns)
-            if c * rows + r < len(labels)]
+    return [label for line in legend_lines(fig) for label in line]
 
 
 def test_legend_reads_row_by_row():
-    fig = viz.show_ranks([torch.zeros(1)] * 4)  # a narrow figure: 4 entries over 2 rows
-    assert 1 < fig.axes[0].get_legend()._ncols < 4
-    assert legend_read(fig) == [f"rank {r}'s data" for r in range(4)]
+    fig = viz.show_ranks([torch.zeros(1)] * 4)  # a narrow figure: 4 entries over 2 lines
+    assert legend_lines(fig) == [["rank 0's data", "rank 1's data"],
+                                 ["rank 2's data", "rank 3's data"]]
 
 
 def test_pictures_are_twice_their_screen_size_and_small():
@@ -227,14 +230,14 @@ def test_show_sampler_colours_each_index_by_the_ranks_that_get_it():
     # 5 samples on 2 ranks: padded to 6, so one index goes to both ranks.
     splits = [[3, 0, 4], [1, 2, 3]]
     fig = viz.show_sampler(splits, 5)
-    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["goes to rank 0", "goes to rank 1", "goes to several ranks (padding)"]
+    assert legend_read(fig) == ["goes to rank 0", "goes to rank 1",
+                                "goes to several ranks (padding)"]
     assert cell_at(fig, "0") == colour_of(0)  # the dataset row first: index 0, rank 0's
     assert cell_at(fig, "2") == colour_of(1)
     assert cell_at(fig, "3") == tuple(round(c, 3) for c in to_rgb(viz.COMBINED))
     assert texts(fig).count("again") == 1
     dropped = viz.show_sampler([[0], [1]], 3)  # drop_last: index 2 goes nowhere
-    assert "dropped (drop_last)" in [t.get_text() for t in dropped.axes[0].get_legend().get_texts()]
+    assert "dropped (drop_last)" in legend_read(dropped)
     with pytest.raises(ValueError, match="outside the dataset"):
         viz.show_sampler([[0, 9]], 3)
 
@@ -540,13 +543,87 @@ def test_every_family_fits_the_page(draw):
     assert viz.screen_size(fig)[0] <= 1000
 
 
-def test_a_legend_stays_on_one_row_where_it_fits_and_wraps_evenly_where_not():
-    from ddplab.viz.canvas import legend_columns
+def test_a_legend_stays_on_one_line_where_it_fits_and_keeps_the_ranks_together():
+    from ddplab.viz.canvas import legend_rows
 
-    labels = [f"rank {r}'s data" for r in range(4)] + ["combined from the ranks in its bar"]
-    assert legend_columns(labels, 10.0) == 5  # one row on the page
-    assert legend_columns(labels, 7.0) == 3   # two rows: 3 + 2, not 4 + 1
-    assert legend_columns(labels[:4], 2.0) == 1
+    entries = [(r, f"rank {r}'s data") for r in range(4)] + [
+        ("combined", "combined from the ranks in its bar")]
+    labels = [label for _, label in entries]
+    assert legend_rows(entries, 10.0) == [labels]  # one line on the page
+    assert legend_rows(entries, 6.0) == [labels[:4], labels[4:]]  # ranks, then the rest
+    six = [(r, f"rank {r}'s data") for r in range(6)]
+    assert [len(line) for line in legend_rows(six, 5.0)] == [3, 3]  # never 5 + 1
+    assert legend_rows(entries[:4], 1.0) == [[label] for label in labels[:4]]
+
+
+def _box_colour(fig, text: str):
+    """The fill of the smallest box around `text`: a worker's own box, not its node's."""
+    x, y = next(t for t in fig.axes[0].texts if t.get_text() == text).get_position()
+    around = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_fill()
+              and p.get_x() < x < p.get_x() + p.get_width()
+              and p.get_y() < y < p.get_y() + p.get_height()]
+    box = min(around, key=lambda p: p.get_width() * p.get_height())
+    return tuple(round(c, 3) for c in box.get_facecolor()[:3])
+
+
+def _trap_texts(fig) -> list[str]:
+    """The texts drawn as the trap: red, on a band."""
+    return [t.get_text() for t in fig.axes[0].texts
+            if t.get_bbox_patch() is not None and to_rgb(t.get_color()) == to_rgb("#C00000")]
+
+
+def test_show_agents_puts_an_agent_over_each_nodes_workers_and_the_store_on_one_node():
+    nodes = [(f"node{n}", [f"torchrun · node_rank {n}", f"GROUP_RANK={n}"],
+              [(4 * n + k, [f"rank {4 * n + k}", f"local {k}"]) for k in range(4)])
+             for n in range(3)]
+    fig = viz.show_agents(nodes, store="the store", store_node=1, highlight=["GROUP_RANK"],
+                          note="a note", title="three nodes")
+    shown = texts(fig)
+    assert {"three nodes", "the store", "a note", "rank 11", "torchrun · node_rank 2"} <= set(shown)
+    assert shown.count("hosts") == 1 and shown.count("connects") == 2
+    assert _trap_texts(fig) == ["GROUP_RANK=0", "GROUP_RANK=1", "GROUP_RANK=2"]
+    assert _box_colour(fig, "rank 5") == colour_of(5)
+    assert viz.screen_size(fig)[0] <= 1000  # 3 nodes x 4 workers fit the page
+    alone = texts(viz.show_agents(nodes, store="the store", others_connect=False))
+    assert alone.count("hosts") == 1 and alone.count("connects") == 0  # c10d: workers only
+    with pytest.raises(ValueError, match="store_node 3"):
+        viz.show_agents(nodes, store="s", store_node=3)
+    with pytest.raises(ValueError, match="at least one worker"):
+        viz.show_agents([("n", ["a"], [])], store="s")
+
+
+def test_show_nesting_draws_each_launcher_inside_the_one_that_started_it():
+    launchers = [("sbatch job.sbatch", "runs once"), ("srun", "a task per node"),
+                 ("torchrun --nproc_per_node=2", "the agent")]
+    workers = [(r, [f"rank {r}", f"RANK={r}", "SLURM_PROCID=0"]) for r in range(2)]
+    fig = viz.show_nesting(launchers, workers, highlight=["SLURM_PROCID"], note="why")
+    frames = sorted((p for p in fig.axes[0].patches if isinstance(p, Rectangle)
+                     and p.get_width() > 2), key=lambda p: -p.get_width())[:3]
+    for outer, inner in itertools.pairwise(frames):  # each frame holds the next
+        assert outer.get_x() < inner.get_x() and inner.get_x() + inner.get_width() < (
+            outer.get_x() + outer.get_width())
+        assert outer.get_y() < inner.get_y()
+    assert _trap_texts(fig) == ["SLURM_PROCID=0", "SLURM_PROCID=0"]
+    assert _box_colour(fig, "RANK=1") == colour_of(1)
+    with pytest.raises(ValueError, match="at least one launcher"):
+        viz.show_nesting([], workers)
+
+
+def test_show_attempts_lays_attempts_side_by_side_and_refuses_unknown_stretches():
+    first = [(0, [("epoch 1", 8, "saved"), ("SIGTERM", 3, "stopped")]),
+             (1, [("epoch 1", 8, "ran"), ("step 9", 3, "failed")])]
+    second = [(r, [("load", 2, "resumed"), ("epoch 2", 8, "ran")]) for r in (0, 1)]
+    fig = viz.show_attempts([("attempt 1\nCOUNT=0", first), ("attempt 2\nCOUNT=1", second)],
+                            between=["restarted"], checkpoint="checkpoint.pt")
+    shown = texts(fig)
+    assert {"attempt 1", "COUNT=0", "attempt 2", "restarted", "checkpoint.pt", "the agent",
+            "rank 0", "rank 1"} <= set(shown)
+    assert shown.count("epoch 2") == 2
+    assert viz.screen_size(fig)[0] <= 1000
+    crosses = [line for line in fig.axes[0].lines if line.get_marker() == "x"]
+    assert len(crosses) == 1  # the one failure
+    with pytest.raises(ValueError, match="unknown stretch kind"):
+        viz.show_attempts([("a", [(0, [("x", 1, "exploded")])])])
 
 
 def test_rendezvous_draws_an_arrow_per_client_and_a_link_per_pair_within_the_page():

@@ -127,7 +127,8 @@ class Canvas:
     def legend(self, ranks: int, names: dict | None = None) -> None:
         """Explain the colours used; `names` rewords "rank", "combined" or "empty"."""
         handles = []
-        for owner, label in legend_entries(self.owners_seen, ranks, names):
+        entries = legend_entries(self.owners_seen, ranks, names)
+        for owner, label in entries:
             if owner == "combined":
                 handles.append(Patch(fc=COMBINED, ec="#999999", label=label))
             elif owner is None:
@@ -135,11 +136,16 @@ class Canvas:
             else:
                 handles.append(Patch(fc=tint(rank_color(owner)),
                                      ec=line_color(rank_color(owner)), label=label))
-        if handles:
-            columns = legend_columns([h.get_label() for h in handles], self.fig.get_figwidth())
-            self.ax.legend(handles=row_major(handles, columns), loc="lower left", ncol=columns,
-                           frameon=False, fontsize=FONT - 1, bbox_to_anchor=(0.0, 0.0),
-                           handlelength=1.5, columnspacing=1.2)
+        rows = legend_rows(entries, self.fig.get_figwidth())
+        by_label = {h.get_label(): h for h in handles}
+        for k, row in enumerate(rows):  # one legend per row, the first row on top
+            legend = self.ax.legend(
+                handles=[by_label[label] for label in row], loc="lower left", ncol=len(row),
+                frameon=False, fontsize=FONT - 1, handlelength=1.5, columnspacing=1.2,
+                bbox_to_anchor=(0.0, (len(rows) - 1 - k) * LEGEND_ROW),
+                bbox_transform=self.ax.transData)
+            if k < len(rows) - 1:
+                self.ax.add_artist(legend)  # a new ax.legend() would replace this one
 
 
 def _digits_size(text: str, cell: float) -> float:
@@ -158,30 +164,48 @@ def title_width(title: str | None) -> float:
 LEGEND_ROW = 0.28  # inches a row of legend entries takes
 
 
-def legend_columns(labels: list[str], width: float) -> int:
-    """How many columns a legend of `labels` takes across `width` inches.
+def legend_rows(entries: list[tuple], width: float) -> list[list[str]]:
+    """The legend's entries, (owner, label) pairs, as lines of labels across `width`
+    inches, read left to right.
 
-    All in one row where they fit; otherwise as few rows as fit, filled evenly: five
-    entries on two rows are 3 + 2, not 4 + 1 ("rank 3's data" alone on a line reads as
-    something apart). A column is as wide as its widest entry: the patch and the gap to
-    the text (1.5 + 0.8 em), the text as the font draws it, then the spacing (1.2 em).
+    All on one line where they fit. Otherwise the ranks' entries share out evenly over as
+    few lines as hold them (six ranks as 3 + 3, never 5 + 1: "rank 5's data" alone on a
+    line reads as something apart), and the other entries ("combined", "empty") follow on
+    the last line, or a line of their own. An entry takes the patch and the gap to its
+    text (1.5 + 0.8 em), the text as the font draws it, then the spacing (1.2 em).
     """
     em = (FONT - 1) / 72
-    entries = [TextPath((0, 0), label, size=FONT - 1).get_extents().width / 72 + 3.5 * em
-               for label in labels]
-    for rows in range(1, len(labels) + 1):
-        columns = -(-len(labels) // rows)
-        used = sum(max(entries[c::columns]) for c in range(columns))
-        if used <= width - 0.3:
-            return columns
-    return 1
+    labels = [label for _, label in entries]
+    size = {label: TextPath((0, 0), label, size=FONT - 1).get_extents().width / 72 + 3.5 * em
+            for label in labels}
+    room = width - 0.3
+
+    def fits(line: list[str]) -> bool:
+        return sum(size[label] for label in line) <= room
+
+    if fits(labels):
+        return [list(labels)] if labels else []
+    ranks = [label for owner, label in entries if isinstance(owner, int)]
+    others = [label for owner, label in entries if not isinstance(owner, int)]
+    lines: list[list[str]] = []
+    for count in range(1, len(ranks) + 1):
+        per = -(-len(ranks) // count)
+        lines = [ranks[i:i + per] for i in range(0, len(ranks), per)]
+        if all(fits(line) or len(line) == 1 for line in lines):
+            break
+    for label in others:
+        if lines and fits([*lines[-1], label]):
+            lines[-1].append(label)
+        else:
+            lines.append([label])
+    return lines
 
 
-def legend_height(labels: list[str], width: float) -> float:
-    """Inches the legend of `labels` needs at the bottom of a picture `width` inches wide."""
-    if not labels:
+def legend_height(entries: list[tuple], width: float) -> float:
+    """Inches the legend of `entries` needs at the bottom of a picture `width` inches wide."""
+    if not entries:
         return 0.1
-    return 0.15 + LEGEND_ROW * -(-len(labels) // legend_columns(labels, width))
+    return 0.15 + LEGEND_ROW * len(legend_rows(entries, width))
 
 
 def legend_entries(owners: set, ranks: int, names: dict | None = None) -> list[tuple]:
@@ -203,14 +227,6 @@ def owners_of(panels: list[Panel]) -> set:
     """The owners a canvas records for these panels' cells (a combined cell as "combined")."""
     return {"combined" if isinstance(o, tuple) else o
             for p in panels for row in p.owners for o in row}
-
-
-def row_major(handles: list, columns: int) -> list:
-    """Legend entries reordered so that matplotlib, which fills columns first, shows them
-    row by row: rank 0, 1, 2, 3 read left to right, as every picture's panels do."""
-    rows = -(-len(handles) // columns)
-    grid = [handles[r * columns:(r + 1) * columns] for r in range(rows)]
-    return [row[c] for c in range(columns) for row in grid if c < len(row)]
 
 
 def cell_size(total_cells: float, gaps: float) -> float:
@@ -240,9 +256,8 @@ def row_layout(rows: list[list[Panel]], titles: list[str | None], title: str | N
     row_heights = [max(max(p.height, 1) for p in row) * cell + 0.35 for row in rows]
     width = max(max(sum(max(p.width, 1) * cell for p in row) + GAP * (len(row) - 1)
                     for row in rows) + 0.6, title_width(title))
-    labels = [label for _, label in legend_entries(
-        owners_of([p for row in rows for p in row]), legend_ranks, legend_names)]
-    legend_h = legend_height(labels, width)
+    legend_h = legend_height(legend_entries(owners_of([p for row in rows for p in row]),
+                                            legend_ranks, legend_names), width)
     title_h = 0.45 if title else 0.1
     row_title_h = [0.3 if t else 0.0 for t in titles]
     height = (title_h + sum(row_heights) + sum(row_title_h) + between * (len(rows) - 1)

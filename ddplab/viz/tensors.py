@@ -267,8 +267,7 @@ def show_inbox(inbox, senders: Sequence[int], sent: dict, *, receiver: int = 0,
     widths = [as_grid(sent[s]).shape[1] for s in senders]
     right = 0.3 + cols * cell + gap + max(widths) * cell + 1.0
     ranks = max([receiver, *senders]) + 1
-    legend_h = legend_height([label for _, label in legend_entries(set(senders), ranks)],
-                             max(right, title_width(title)))
+    legend_h = legend_height(legend_entries(set(senders), ranks), max(right, title_width(title)))
     title_h = 0.45 if title else 0.1
     height = title_h + 0.35 + rows * cell + 0.25 + legend_h
     canvas = Canvas(max(right, title_width(title)), height, cell, title)

@@ -185,6 +185,110 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
     return canvas.fig
 
 
+TRAP = "#C00000"  # red belongs to no rank: a failure
+
+
+Stretch = tuple[str, float, str]  # (text, length, how) of one rank's stretch of an attempt
+
+
+def show_attempts(attempts: Sequence[tuple[str, Sequence[tuple[int, Sequence[Stretch]]]]],
+                  *, between: Sequence[str] = (), checkpoint: str | None = None,
+                  title: str | None = None) -> Figure:
+    """An elastic job's attempts side by side, one lane per rank in each.
+
+    `attempts` is a list of (label, lanes), each lane a (rank, stretches) pair and each
+    stretch (text, length, how): `how` is "ran", "saved" (ran, then wrote the checkpoint),
+    "failed" (a red cross at its end), "stopped" (hatched: the agent ended it) or "resumed"
+    (read the checkpoint back). Lengths are relative, in any unit (steps). `between[i]` is
+    what the agent did between attempts i and i + 1, written under the arrow that joins
+    them; `checkpoint` names the file that links a "saved" stretch to the "resumed" ones.
+    """
+    if not attempts or any(not lanes for _, lanes in attempts):
+        raise ValueError("need at least one attempt, each with at least one rank")
+    kinds = {"ran", "saved", "failed", "stopped", "resumed"}
+    for _, lanes in attempts:
+        for _, stretches in lanes:
+            if unknown := {how for *_, how in stretches} - kinds:
+                raise ValueError(f"unknown stretch kind {sorted(unknown)}: use {sorted(kinds)}")
+    ranks = sorted({rank for _, lanes in attempts for rank, _ in lanes})
+    lane, left, margin = 0.5, 0.85, 0.2
+    joint = 2.1 if len(attempts) > 1 else 0.0  # room for the agent's arrow and its words
+    lengths = [max(sum(length for _, length, _ in s) for _, s in lanes) for _, lanes in attempts]
+    scale = (MAX_WIDTH - left - margin - joint * (len(attempts) - 1)) / sum(lengths)
+    words = max((len(w.splitlines()) for w in between), default=0)
+    title_h = 0.45 if title else 0.1
+    store_h = 0.5 if checkpoint else 0.0  # the checkpoint sits above the lanes, between attempts
+    label_h = 0.2 * max(len(label.splitlines()) for label, _ in attempts) + 0.15
+    height = title_h + store_h + label_h + lane * len(ranks) + 0.2 * words + 0.25
+    canvas = Canvas(MAX_WIDTH, height, CELL, title)
+    ax = canvas.ax
+    top = height - title_h - store_h - label_h
+
+    def y(rank: int) -> float:
+        return top - (ranks.index(rank) + 1) * lane
+
+    for rank in ranks:
+        ax.text(left - 0.1, y(rank) + lane / 2, f"rank {rank}", ha="right", va="center",
+                fontsize=FONT, fontweight="bold", color=text_color(rank_color(rank)))
+    x0, saved, resumed = left, [], []
+    bottom = top - lane * len(ranks)
+    for k, ((label, lanes), length) in enumerate(zip(attempts, lengths, strict=True)):
+        first, *rest = label.splitlines()
+        ax.text(x0, top + 0.07 + 0.2 * len(rest), first, ha="left", va="bottom",
+                fontsize=FONT, fontweight="bold", color="#333333")
+        for n, line in enumerate(rest):
+            ax.text(x0, top + 0.07 + 0.2 * (len(rest) - 1 - n), line, ha="left",
+                    va="bottom", fontsize=FONT - 1, color="#333333")
+        for rank, stretches in lanes:
+            x = x0
+            for text, size, how in stretches:
+                w = size * scale
+                color = rank_color(rank)
+                ax.add_patch(Rectangle((x, y(rank) + 0.09), w, lane - 0.18,
+                                       fc=EMPTY if how == "stopped" else tint(color, 0.35),
+                                       ec=color, lw=0.9, hatch="///" if how == "stopped" else None))
+                if 0.075 * len(text) + 0.1 < w:
+                    ax.text(x + w / 2, y(rank) + lane / 2, text, ha="center", va="center",
+                            fontsize=FONT - 1, bbox={"fc": "white", "ec": "none", "alpha": 0.8,
+                                                     "pad": 0.8})
+                if how == "failed":
+                    ax.plot([x + w], [y(rank) + lane / 2], marker="x", ms=10, mew=2.4,
+                            color=TRAP)
+                if how == "saved" and rank == ranks[0]:  # arrows only to the top lane's
+                    saved.append((x + w - 0.1, y(rank) + lane - 0.09))
+                if how == "resumed" and rank == ranks[0]:
+                    resumed.append((x, y(rank) + lane / 2))
+                x += w
+        x0 += length * scale
+        if k + 1 < len(attempts):
+            mid = top - lane * len(ranks) / 2
+            ax.annotate("", xy=(x0 + joint - 0.1, mid), xytext=(x0 + 0.1, mid),
+                        arrowprops={"arrowstyle": "-|>", "color": "#333333", "lw": 1.6,
+                                    "mutation_scale": 14})
+            ax.text(x0 + joint / 2, mid + 0.08, "the agent", ha="center", va="bottom",
+                    fontsize=FONT - 1, color="#333333")
+            if k < len(between):
+                ax.text(x0 + joint / 2, bottom - 0.05, between[k], ha="center", va="top",
+                        fontsize=FONT - 1, color="#333333", linespacing=1.1)
+            x0 += joint
+    if checkpoint:
+        w = len(checkpoint) * 0.09 + 0.3
+        cx = (saved[0][0] + resumed[0][0]) / 2 if saved and resumed else left + 1
+        by = top + label_h + 0.05
+        ax.add_patch(Rectangle((cx - w / 2, by), w, 0.32, fc="white", ec="#222222", lw=1.6))
+        ax.text(cx, by + 0.16, checkpoint, ha="center", va="center", fontsize=FONT - 1,
+                fontweight="bold")
+        for x, yy in saved:  # up from the stretch, then into the file from its left
+            ax.annotate("", xy=(cx - w / 2, by + 0.16), xytext=(x, yy),
+                        arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 1.2,
+                                    "connectionstyle": "angle,angleA=90,angleB=0,rad=0"})
+        for x, yy in resumed:  # down from the file, then into the stretch from its left
+            ax.annotate("", xy=(x, yy), xytext=(cx + w / 2 - 0.25, by),
+                        arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 1.2,
+                                    "connectionstyle": "angle,angleA=-90,angleB=0,rad=0"})
+    return canvas.fig
+
+
 OVERLAP_WIDTH = MAX_WIDTH
 """Inches `show_overlap` draws: the page's width, 1,000 screen pixels."""
 
