@@ -281,7 +281,7 @@ def _factor_text(op: str) -> str:
 
 
 def plot(results: Sequence[Result], *, title: str | None = None):
-    """busbw against message size, a line per collective (a matplotlib Figure)."""
+    """busbw against message size, log-log, a line per collective (a matplotlib Figure)."""
     from matplotlib.figure import Figure
 
     if not results:
@@ -296,9 +296,18 @@ def plot(results: Sequence[Result], *, title: str | None = None):
         ax.plot([r.bytes for r in mine], [r.busbw for r in mine], marker=marker, ls=style,
                 color=color, mfc="white", ms=5, lw=1.3, label=op)
     ax.set_xscale("log", base=2)
+    # log busbw too: while latency dominates, busbw grows in proportion to the size (a
+    # straight line of slope 1), then bends towards the links' ceiling; a linear axis would
+    # flatten the small sizes onto zero
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("busbw (GB/s)")
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, which="both", alpha=0.25)
     ops = len({r.op for r in results})
     fig.legend(loc="lower center", ncol=ops, fontsize=9, frameon=False)  # never on the data
     if title:
