@@ -13,10 +13,14 @@ each is a known number of steps, each step one message per rank, all at once:
   times α + S·β, one after the other;
 - whole tensor ring: n − 1 steps of S bytes.
 
-The model leaves out the time to add the chunks and any contention between links; the
+The model leaves out the time to add the chunks and any contention between links, and it
+assumes full-duplex links (sending and receiving at once costs no more than sending); the
 chapter measures how far off that is. `ping_pong` measures α and β between two ranks of a
 pool (one-way time = half the round trip), `fit` draws the line through the measurements,
-and `time_all_reduce` times each algorithm on the ranks, to hold against `predict`.
+`exchange` times a swap (both directions at once) to set beside it, and `time_all_reduces`
+times the algorithms on the ranks, taking turns, to hold against `predict`. `crossover`
+and `plot_model` need no measurement: where the ring overtakes recursive doubling, and
+every algorithm's predicted time, for any α, β and n.
 """
 
 from __future__ import annotations
