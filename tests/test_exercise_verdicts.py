@@ -361,37 +361,59 @@ def _busbw_gib(op, nbytes, seconds, world_size):
     return nbytes / seconds / 2**30 * factor
 
 
-def _buckets_strictly_over(sizes, first_cap, cap):
-    """8.3, wrong: closes a bucket only once it holds more than its cap."""
+def _buckets(sizes, first_cap, cap, *, strictly=False):
     buckets, current, held = [], [], 0
     for position, size in enumerate(sizes):
         current.append(position)
         held += size
-        if held > (first_cap if not buckets else cap):
+        if (held > (first_cap if not buckets else cap)) if strictly else \
+                (held >= (first_cap if not buckets else cap)):
             buckets.append(current)
             current, held = [], 0
     return [*buckets, current] if current else buckets
 
 
-def _buckets_one_cap(sizes, first_cap, cap):
+def _buckets_strictly_over(sizes, bucket_cap_mb=None):
+    """8.3, wrong: closes a bucket only once it holds more than its cap."""
+    cap = (25 if bucket_cap_mb is None else bucket_cap_mb) * 2**20
+    return _buckets(sizes, 2**20 if bucket_cap_mb is None else cap, cap, strictly=True)
+
+
+def _buckets_one_cap(sizes, bucket_cap_mb=None):
     """8.3, wrong: forgets the small first bucket (the right walk, with `cap` for both)."""
-    return _buckets_strictly_over([max(size, 0) for size in sizes], cap - 1, cap - 1)
+    cap = (25 if bucket_cap_mb is None else bucket_cap_mb) * 2**20
+    return _buckets(sizes, cap, cap)
 
 
-def _summing_hook(state, bucket):
-    """8.4, wrong: all-reduces but never divides."""
+def _buckets_first_always_small(sizes, bucket_cap_mb=None):
+    """8.3, wrong: keeps the 1 MiB first bucket also when bucket_cap_mb is passed."""
+    return _buckets(sizes, 2**20, (25 if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
+
+
+def _averaging_hook(state, bucket):
+    """8.4, wrong: DDP's own average, in float32: right gradients, but no bytes saved."""
     import torch.distributed as dist
 
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(
-        lambda f: f.value()[0])
+        lambda f: f.value()[0].div_(dist.get_world_size()))
+
+
+def _summing_hook(state, bucket):
+    """8.4, wrong: all-reduces float16 but never divides."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    future = dist.all_reduce(buffer.half(), async_op=True).get_future()
+    return future.then(lambda f: buffer.copy_(f.value()[0]))
 
 
 def _tensor_hook(state, bucket):
     """8.4, wrong: waits for the all-reduce and returns a tensor, not a future."""
     import torch.distributed as dist
 
-    dist.all_reduce(bucket.buffer())
-    return bucket.buffer() / dist.get_world_size()
+    half = bucket.buffer().half()
+    dist.all_reduce(half)
+    return half / dist.get_world_size()
 
 
 def test_exercise_8_1_accepts_a_chunked_ring_built_from_batch_isend_irecv():
@@ -413,12 +435,16 @@ CHAPTER_8 = [
      "4.194 GB/s, which is algbw", "which share had to come in"),
     ("8.2", _busbw_gib, "busbw('all_reduce', 67108864, 0.0125, 4) returned 7.5 GB/s", "10⁹"),
     ("8.3", _buckets_strictly_over, "for a last layer of exactly 0.5 MiB", "at least its cap"),
-    ("8.3", _buckets_one_cap, "for five linear layers, default caps", "first_cap for the "
-     "first bucket"),
-    ("8.4", _summing_hook, "on rank 0, iteration 1, your gradients are 2× DDP's",
-     "dist.get_world_size()"),
+    ("8.3", _buckets_one_cap, "for five linear layers, bucket_cap_mb not passed", "what does "
+     "DDP give the first bucket"),
+    ("8.3", _buckets_first_always_small, "for five linear layers, bucket_cap_mb=0.5",
+     "what does DDP give the first bucket"),
+    ("8.4", _averaging_hook, "your hook all-reduced float32: 4 bytes per gradient",
+     "float16 copy"),
+    ("8.4", _summing_hook, "on rank 0, iteration 1, your gradients are 2× those of "
+     "fp16_compress_hook", "dist.get_world_size()"),
     ("8.4", _tensor_hook, "your hook returned a Tensor", ".then(...)"),
-    ("8.4", lambda s, b: None, "your hook's parameters are (s, b)", "def averaging_hook"),
+    ("8.4", lambda s, b: None, "your hook's parameters are (s, b)", "def fp16_hook"),
 ]
 
 
