@@ -690,10 +690,100 @@ CHAPTER_5 = [
      "evaluate only this rank's share"),
     ("5.3", _accumulate_syncing_every_time, "with 2 ranks, 3 micro-batches of 8 digits each, "
      "the gradients are right, but DDP made 3 synchronizations",
-     "inside `with ddp_model.no_sync():`"),
+     "a context manager that skips the all-reduce"),
     ("5.2", _count_own_share_only, "with 3 ranks and 1,001 test digits, the ranks returned "
      "different pairs", "add up every rank's counts with a collective"),
 ]
+
+
+
+# --- exercise 5.4: the learner's own script under torchrun ---
+# Each row is the solution's script with one typical mistake made in it (text replaced),
+# how the verdict starts, and what its hint says. Every row runs torchrun and trains for
+# real (10 to 30 s each); the reference run of ddplab.train is made once per session.
+
+def _solution_script() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "ch05.py"
+    spec = importlib.util.spec_from_file_location("solutions_ch05", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DDP_SCRIPT
+
+
+def _mistake(*changes: tuple[str, str]) -> str:
+    script = _solution_script()
+    for old, new in changes:
+        assert old in script, old
+        script = script.replace(old, new)
+    return script
+
+
+SET_EPOCH = "        sampler.set_epoch(epoch)"
+SAMPLER = "    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)\n"
+LOADER = "DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)"
+SAVE = "    if rank == 0:                            # one rank writes"
+SCRIPT_MISTAKES = {
+    "forgets set_epoch": ([(SET_EPOCH, "        pass")],
+                          "rank 0 never called set_epoch: its sampler shuffled every epoch "
+                          "alike (epochs [0, 0])", "sampler.set_epoch(epoch)"),
+    "no sampler": ([(SAMPLER, ""), (LOADER, "DataLoader(dataset, batch_size=BATCH_SIZE, "
+                    "shuffle=True)"), (SET_EPOCH, "        pass")],
+                   "rank 0 used no DistributedSampler: its DataLoader (shuffle=True) shuffled "
+                   "all 8,004 digits on its own", "a DistributedSampler over the dataset"),
+    "another lr": ([("LR, SEED = 2, 32, 2e-3, 0", "LR, SEED = 2, 32, 1e-3, 0")],
+                   "rank 0's Adam has lr=0.001 (ddplab.train: 0.002)", "lr=2e-3"),
+    "another sampler seed": ([("shuffle=True, seed=SEED)", "shuffle=True, seed=42)")],
+                             "rank 0's DistributedSampler has seed=42, ddplab.train's 0",
+                             "the config's seed"),
+    "saves on every rank": ([(SAVE, "    if True:  # every rank writes")],
+                            "rank 1 saved a checkpoint too", "save on rank 0 only"),
+    "the module. prefix": ([('"model": model.module.state_dict()', '"model": model.state_dict()')],
+                           "the checkpoint's weights are named 'module.conv1.weight'",
+                           "model.module.state_dict()"),
+    "no destroy": ([("    dist.destroy_process_group()\n", "")],
+                   "the weights are ddplab.train's, bit for bit, but rank 0 never called "
+                   "destroy_process_group", "dist.destroy_process_group()"),
+    "crashes": ([("            optimizer.step()", "            optimiser.step()")],
+                "your script crashed on every rank with NameError: name 'optimiser' is not defined",
+                "the first is the cause"),
+    "hangs": ([("    for epoch in range(EPOCHS):", "    if rank == 0:\n"
+                "        dist.recv(torch.zeros(1), src=1)   # rank 1 never sends\n"
+                "    for epoch in range(EPOCHS):")],
+              "your script did not finish within 60 s under torchrun", "inside `if rank == 0:`"),
+}
+
+
+@pytest.mark.launchers
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", sorted(SCRIPT_MISTAKES))
+def test_each_wrong_ddp_script_gets_its_own_verdict(mistake, monkeypatch):
+    from ddplab.exercises import ch05
+
+    changes, message, hint = SCRIPT_MISTAKES[mistake]
+    if mistake == "hangs":  # no need to wait the full timeout
+        monkeypatch.setattr(ch05, "SCRIPT_TIMEOUT", 60.0)
+    runs, torchrun = [], ch05._torchrun
+    monkeypatch.setattr(ch05, "_torchrun", lambda *args: runs.append(torchrun(*args))
+                        or runs[-1])
+    feedback = check("5.4", _mistake(*changes))
+    assert not feedback.passed
+    assert feedback.message.startswith(message), feedback.message
+    assert hint in feedback.hint, feedback.hint
+    if mistake == "hangs":  # each rank's place, read from its stack
+        assert "rank 0 at line 30 of your script (dist.recv(torch.zeros(1), src=1)" \
+            in feedback.message, feedback.message
+    if mistake == "crashes":  # the traceback's tail, from the script's line on
+        assert "optimiser.step()" in feedback.message, feedback.message
+    import psutil
+
+    for run in runs:  # nothing the check started outlives it
+        for rank, events in run.traces.items():
+            pid = events[0]["pid"]
+            assert not psutil.pid_exists(pid) or \
+                psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, (rank, pid)
 
 
 # --- chapter 6: typical wrong attempts and the verdict each gets ---
@@ -711,6 +801,18 @@ def _second_reader_wins(env):
 def _torchrun_only(env):
     """6.1, wrong: reads torchrun's variables as if they were always set."""
     return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+
+
+def _slurm_before_mpirun(env):
+    """6.1, wrong: an srun step's variables before OpenMPI's (mpirun inside a Slurm job)."""
+    for names in (("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"),
+                  ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID",
+                   "SLURM_STEP_NUM_TASKS"),
+                  ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                   "OMPI_COMM_WORLD_SIZE")):
+        if names[0] in env:
+            return tuple(int(env[name]) for name in names[1:])
+    return 0, 0, 1
 
 
 def _standalone_everywhere(node):
@@ -761,6 +863,8 @@ CHAPTER_6 = [
      "this very process"),
     ("6.1", _torchrun_only, "for srun --ntasks=8 over 2 nodes, your function raised KeyError",
      "use env.get(name)"),
+    ("6.1", _slurm_before_mpirun, "for mpirun inside a Slurm job of 2 nodes", "look for the "
+     "innermost first"),
     ("6.2", _standalone_everywhere, "node_command('node02') uses --standalone",
      "drop --standalone"),
     ("6.2", _node_rank_zero, "node_command('node03') has --node_rank=0, but node03 is node "
@@ -879,6 +983,25 @@ def _unknown_flat(t):
     return data
 
 
+def _unknown_assumes_2d(t):
+    """3.2, close: sends the shape in a header of fixed size, but as if every tensor had two
+    dimensions (rows, the rest), so a 1-D tensor arrives as a column."""
+    import torch
+    import torch.distributed as dist
+
+    header = torch.zeros(2, dtype=torch.int64)
+    if dist.get_rank() == 0:
+        header[0], header[1] = t.shape[0], t.numel() // t.shape[0]
+        for dst in range(1, dist.get_world_size()):
+            dist.send(header, dst=dst)
+            dist.send(t.contiguous(), dst=dst)
+        return t
+    dist.recv(header, src=0)
+    data = torch.empty(header.tolist(), dtype=torch.float32)
+    dist.recv(data, src=0)
+    return data
+
+
 def _ring_gather_in_arrival_order(t):
     """3.3, wrong places: the tensors in the order they arrived, not in rank order."""
     import torch
@@ -925,6 +1048,8 @@ CHAPTER_3 = [
      "of plain tensors"),
     ("3.2", _unknown_flat, "with rank 0's tensor of shape (2, 3), rank 1 returned a tensor of "
      "shape (6,)", "number of dimensions"),
+    ("3.2", _unknown_assumes_2d, "with rank 0's tensor of shape (5,), rank 1 returned a tensor "
+     "of shape (5, 1)", "number of dimensions"),
     ("3.3", _ring_gather_in_arrival_order, "with 3 ranks, item 1 of rank 0's list is "
      "tensor([20, 21, 22], dtype=int64); expected rank 1's", "tens digit of what just "
      "arrived"),

@@ -7,6 +7,7 @@ in the cells, the colour of each cell (whose data it holds), labels, legends and
 from __future__ import annotations
 
 import io
+import itertools
 import warnings
 
 import numpy as np
@@ -555,6 +556,76 @@ def test_a_legend_stays_on_one_line_where_it_fits_and_keeps_the_ranks_together()
     assert legend_rows(entries[:4], 1.0) == [[label] for label in labels[:4]]
 
 
+def _box_colour(fig, text: str):
+    """The fill of the smallest box around `text`: a worker's own box, not its node's."""
+    x, y = next(t for t in fig.axes[0].texts if t.get_text() == text).get_position()
+    around = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_fill()
+              and p.get_x() < x < p.get_x() + p.get_width()
+              and p.get_y() < y < p.get_y() + p.get_height()]
+    box = min(around, key=lambda p: p.get_width() * p.get_height())
+    return tuple(round(c, 3) for c in box.get_facecolor()[:3])
+
+
+def _trap_texts(fig) -> list[str]:
+    """The texts drawn as the trap: red, on a band."""
+    return [t.get_text() for t in fig.axes[0].texts
+            if t.get_bbox_patch() is not None and to_rgb(t.get_color()) == to_rgb("#C00000")]
+
+
+def test_show_agents_puts_an_agent_over_each_nodes_workers_and_the_store_on_one_node():
+    nodes = [(f"node{n}", [f"torchrun · node_rank {n}", f"GROUP_RANK={n}"],
+              [(4 * n + k, [f"rank {4 * n + k}", f"local {k}"]) for k in range(4)])
+             for n in range(3)]
+    fig = viz.show_agents(nodes, store="the store", store_node=1, highlight=["GROUP_RANK"],
+                          note="a note", title="three nodes")
+    shown = texts(fig)
+    assert {"three nodes", "the store", "a note", "rank 11", "torchrun · node_rank 2"} <= set(shown)
+    assert shown.count("hosts") == 1 and shown.count("connects") == 2
+    assert _trap_texts(fig) == ["GROUP_RANK=0", "GROUP_RANK=1", "GROUP_RANK=2"]
+    assert _box_colour(fig, "rank 5") == colour_of(5)
+    assert viz.screen_size(fig)[0] <= 1000  # 3 nodes x 4 workers fit the page
+    alone = texts(viz.show_agents(nodes, store="the store", others_connect=False))
+    assert alone.count("hosts") == 1 and alone.count("connects") == 0  # c10d: workers only
+    with pytest.raises(ValueError, match="store_node 3"):
+        viz.show_agents(nodes, store="s", store_node=3)
+    with pytest.raises(ValueError, match="at least one worker"):
+        viz.show_agents([("n", ["a"], [])], store="s")
+
+
+def test_show_nesting_draws_each_launcher_inside_the_one_that_started_it():
+    launchers = [("sbatch job.sbatch", "runs once"), ("srun", "a task per node"),
+                 ("torchrun --nproc_per_node=2", "the agent")]
+    workers = [(r, [f"rank {r}", f"RANK={r}", "SLURM_PROCID=0"]) for r in range(2)]
+    fig = viz.show_nesting(launchers, workers, highlight=["SLURM_PROCID"], note="why")
+    frames = sorted((p for p in fig.axes[0].patches if isinstance(p, Rectangle)
+                     and p.get_width() > 2), key=lambda p: -p.get_width())[:3]
+    for outer, inner in itertools.pairwise(frames):  # each frame holds the next
+        assert outer.get_x() < inner.get_x() and inner.get_x() + inner.get_width() < (
+            outer.get_x() + outer.get_width())
+        assert outer.get_y() < inner.get_y()
+    assert _trap_texts(fig) == ["SLURM_PROCID=0", "SLURM_PROCID=0"]
+    assert _box_colour(fig, "RANK=1") == colour_of(1)
+    with pytest.raises(ValueError, match="at least one launcher"):
+        viz.show_nesting([], workers)
+
+
+def test_show_attempts_lays_attempts_side_by_side_and_refuses_unknown_stretches():
+    first = [(0, [("epoch 1", 8, "saved"), ("SIGTERM", 3, "stopped")]),
+             (1, [("epoch 1", 8, "ran"), ("step 9", 3, "failed")])]
+    second = [(r, [("load", 2, "resumed"), ("epoch 2", 8, "ran")]) for r in (0, 1)]
+    fig = viz.show_attempts([("attempt 1\nCOUNT=0", first), ("attempt 2\nCOUNT=1", second)],
+                            between=["restarted"], checkpoint="checkpoint.pt")
+    shown = texts(fig)
+    assert {"attempt 1", "COUNT=0", "attempt 2", "restarted", "checkpoint.pt", "the agent",
+            "rank 0", "rank 1"} <= set(shown)
+    assert shown.count("epoch 2") == 2
+    assert viz.screen_size(fig)[0] <= 1000
+    crosses = [line for line in fig.axes[0].lines if line.get_marker() == "x"]
+    assert len(crosses) == 1  # the one failure
+    with pytest.raises(ValueError, match="unknown stretch kind"):
+        viz.show_attempts([("a", [(0, [("x", 1, "exploded")])])])
+
+
 def test_rendezvous_draws_an_arrow_per_client_and_a_link_per_pair_within_the_page():
     fig = viz.show_rendezvous(4, "127.0.0.1:29500", title="rendezvous")
     arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
@@ -566,3 +637,47 @@ def test_rendezvous_draws_an_arrow_per_client_and_a_link_per_pair_within_the_pag
     for size in (1, 7):
         with pytest.raises(ValueError, match="2 to 6 ranks"):
             viz.show_rendezvous(size, "127.0.0.1:29500")
+
+
+def test_show_leftover_draws_each_reader_arrow_to_a_dead_writers_note_within_the_page():
+    notes = [(f"address/{r}", f"run 1, rank {r}", r) for r in range(4)]
+    reads = [(r, f"address/{(r + 1) % 4}") for r in range(4)]
+    fig = viz.show_leftover(notes, reads, title="the leftover file, as run 2 finds it")
+    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    assert len(arrows) == 4  # one per rank of run 2, in its colour
+    for arrow, (reader, _) in zip(arrows, reads, strict=True):
+        assert arrow.get_edgecolor()[:3] == pytest.approx(viz.line_color(viz.rank_color(reader)))
+    shown = texts(fig)
+    assert all(f"rank {r} (dead)" in shown for r in range(4))
+    assert viz.screen_size(fig)[0] <= 1000
+    with pytest.raises(ValueError, match="does not hold"):
+        viz.show_leftover(notes, [(0, "address/9")])
+    with pytest.raises(ValueError, match="distinct keys"):
+        viz.show_leftover(notes + notes[:1], reads)
+
+
+
+def test_show_deal_pads_the_shuffled_list_and_deals_it_round_robin():
+    # 5 samples on 2 ranks: padded to 6 with the list's first index, position p to rank p % 2.
+    fig = viz.show_deal([3, 0, 4, 1, 2], 2)
+    assert [t for t in texts(fig) if t.startswith("p=")] == [f"p={p}" for p in range(6)]
+    assert cell_at(fig, "3", nth=1) == colour_of(0)  # the padded row: 3 at position 0
+    assert cell_at(fig, "0", nth=1) == colour_of(1)  # 0 at position 1
+    assert cell_at(fig, "3", nth=2) == colour_of(1)  # 3 again, at position 5
+    assert viz.screen_size(fig)[0] <= 1000
+    with pytest.raises(ValueError, match="at least one index"):
+        viz.show_deal([], 2)
+
+
+def test_show_ddp_step_starts_a_buckets_all_reduce_once_its_last_gradient_is_ready():
+    layers = ["conv1", "conv2", "fc1", "fc2"]
+    fig = viz.show_ddp_step(layers, [["fc2", "fc1"], ["conv2", "conv1"]], world_size=2)
+    found = texts(fig)
+    assert found.count("all-reduce b0") == 2 and found.count("all-reduce b1") == 2  # each rank
+    assert found.count("∇conv1") == 2 and found.count("update") == 2
+    assert viz.screen_size(fig)[0] <= 1000
+    x = {t.get_text(): t.get_position()[0] for t in fig.axes[0].texts}
+    assert x["∇fc1"] < x["all-reduce b0"] < x["∇conv1"]  # overlaps the rest of backward
+    assert x["all-reduce b1"] < x["update"]               # the step waits for the last one
+    with pytest.raises(ValueError, match="not in `layers`"):
+        viz.show_ddp_step(layers, [["fc3"]])

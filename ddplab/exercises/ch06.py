@@ -38,17 +38,30 @@ LAUNCHES = [
      {**_MPIRUN, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
       "OMPI_COMM_WORLD_LOCAL_RANK": "0", **_TORCHRUN, "RANK": "6", "LOCAL_RANK": "2"},
      (6, 2, 8)),
+    ("mpirun inside a Slurm job of 2 nodes (OpenMPI starts one daemon per node with srun, "
+     "and its ranks inherit that step's variables)",
+     {**_SRUN, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2",
+      "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **_MPIRUN, "OMPI_COMM_WORLD_RANK": "5",
+      "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, (5, 1, 8)),
     ("a JupyterLab kernel inside a Slurm batch job of 1 task",
      {"SLURM_JOB_ID": "99", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (0, 0, 1)),
 ]
 
 
+# Each launcher's (rank, local rank, world size), to name the one a wrong answer read.
+_PLACES = {"the srun task": ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS"),
+           "the mpirun process": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                  "OMPI_COMM_WORLD_SIZE")}
+
+
 @exercise("6.1", "Rank, local rank and world size, from any launcher", solution="launch_vars",
-          hint="each launcher sets a variable no other does: torchrun TORCHELASTIC_RUN_ID "
-               "(with RANK, LOCAL_RANK, WORLD_SIZE), OpenMPI OMPI_COMM_WORLD_RANK (with "
-               "_LOCAL_RANK, _SIZE), an srun step SLURM_STEP_NUM_TASKS (with SLURM_PROCID, "
-               "SLURM_LOCALID); a batch job's own SLURM_PROCID is not a step. When several "
-               "launchers' variables are there, which launcher started this very process?")
+          hint="ask of each environment: which launcher started this very process? Each "
+               "launcher leaves one variable that no other sets (compare the columns of the "
+               "variables tables in 6a and 6b). A process inherits the variables of every "
+               "launcher above it, so look for the innermost first. And a Slurm batch script "
+               "runs inside a job without being a task of an srun step: which of Slurm's "
+               "variables do only a step's tasks have?")
 def check_launch_vars(launch_vars) -> str:
     for what, env, want in LAUNCHES:
         try:
@@ -67,9 +80,14 @@ def check_launch_vars(launch_vars) -> str:
                "convert them with int().")
         if got != want:
             names = ", ".join(f"{k}={v}" for k, v in env.items() if k != "HOME")
+            above = next((f" Those are the numbers of {who}: a launcher above the one that "
+                          "started this process, whose variables it inherited."
+                          for who, keys in _PLACES.items()
+                          if all(k in env for k in keys)
+                          and tuple(int(env[k]) for k in keys) == got), "")
             raise NotYet(f"for {what} ({names or 'no launcher variables'}) your function "
                          f"returned {got}, but this process is rank {want[0]}, local rank "
-                         f"{want[1]}, of {want[2]}.")
+                         f"{want[1]}, of {want[2]}.{above}")
     return (f"all {len(LAUNCHES)} launches read right, nested ones included: the innermost "
             "launcher started this very process, so its variables are the ones that count.")
 

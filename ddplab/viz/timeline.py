@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, label_size
-from ddplab.viz.palette import EMPTY, rank_color, text_color, tint
+from ddplab.viz.palette import COMBINED, EMPTY, rank_color, text_color, tint
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,110 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
     return canvas.fig
 
 
+TRAP = "#C00000"  # red belongs to no rank: a failure
+
+
+Stretch = tuple[str, float, str]  # (text, length, how) of one rank's stretch of an attempt
+
+
+def show_attempts(attempts: Sequence[tuple[str, Sequence[tuple[int, Sequence[Stretch]]]]],
+                  *, between: Sequence[str] = (), checkpoint: str | None = None,
+                  title: str | None = None) -> Figure:
+    """An elastic job's attempts side by side, one lane per rank in each.
+
+    `attempts` is a list of (label, lanes), each lane a (rank, stretches) pair and each
+    stretch (text, length, how): `how` is "ran", "saved" (ran, then wrote the checkpoint),
+    "failed" (a red cross at its end), "stopped" (hatched: the agent ended it) or "resumed"
+    (read the checkpoint back). Lengths are relative, in any unit (steps). `between[i]` is
+    what the agent did between attempts i and i + 1, written under the arrow that joins
+    them; `checkpoint` names the file that links a "saved" stretch to the "resumed" ones.
+    """
+    if not attempts or any(not lanes for _, lanes in attempts):
+        raise ValueError("need at least one attempt, each with at least one rank")
+    kinds = {"ran", "saved", "failed", "stopped", "resumed"}
+    for _, lanes in attempts:
+        for _, stretches in lanes:
+            if unknown := {how for *_, how in stretches} - kinds:
+                raise ValueError(f"unknown stretch kind {sorted(unknown)}: use {sorted(kinds)}")
+    ranks = sorted({rank for _, lanes in attempts for rank, _ in lanes})
+    lane, left, margin = 0.5, 0.85, 0.2
+    joint = 2.1 if len(attempts) > 1 else 0.0  # room for the agent's arrow and its words
+    lengths = [max(sum(length for _, length, _ in s) for _, s in lanes) for _, lanes in attempts]
+    scale = (MAX_WIDTH - left - margin - joint * (len(attempts) - 1)) / sum(lengths)
+    words = max((len(w.splitlines()) for w in between), default=0)
+    title_h = 0.45 if title else 0.1
+    store_h = 0.5 if checkpoint else 0.0  # the checkpoint sits above the lanes, between attempts
+    label_h = 0.2 * max(len(label.splitlines()) for label, _ in attempts) + 0.15
+    height = title_h + store_h + label_h + lane * len(ranks) + 0.2 * words + 0.25
+    canvas = Canvas(MAX_WIDTH, height, CELL, title)
+    ax = canvas.ax
+    top = height - title_h - store_h - label_h
+
+    def y(rank: int) -> float:
+        return top - (ranks.index(rank) + 1) * lane
+
+    for rank in ranks:
+        ax.text(left - 0.1, y(rank) + lane / 2, f"rank {rank}", ha="right", va="center",
+                fontsize=FONT, fontweight="bold", color=text_color(rank_color(rank)))
+    x0, saved, resumed = left, [], []
+    bottom = top - lane * len(ranks)
+    for k, ((label, lanes), length) in enumerate(zip(attempts, lengths, strict=True)):
+        first, *rest = label.splitlines()
+        ax.text(x0, top + 0.07 + 0.2 * len(rest), first, ha="left", va="bottom",
+                fontsize=FONT, fontweight="bold", color="#333333")
+        for n, line in enumerate(rest):
+            ax.text(x0, top + 0.07 + 0.2 * (len(rest) - 1 - n), line, ha="left",
+                    va="bottom", fontsize=FONT - 1, color="#333333")
+        for rank, stretches in lanes:
+            x = x0
+            for text, size, how in stretches:
+                w = size * scale
+                color = rank_color(rank)
+                ax.add_patch(Rectangle((x, y(rank) + 0.09), w, lane - 0.18,
+                                       fc=EMPTY if how == "stopped" else tint(color, 0.35),
+                                       ec=color, lw=0.9, hatch="///" if how == "stopped" else None))
+                if 0.075 * len(text) + 0.1 < w:
+                    ax.text(x + w / 2, y(rank) + lane / 2, text, ha="center", va="center",
+                            fontsize=FONT - 1, bbox={"fc": "white", "ec": "none", "alpha": 0.8,
+                                                     "pad": 0.8})
+                if how == "failed":
+                    ax.plot([x + w], [y(rank) + lane / 2], marker="x", ms=10, mew=2.4,
+                            color=TRAP)
+                if how == "saved" and rank == ranks[0]:  # arrows only to the top lane's
+                    saved.append((x + w - 0.1, y(rank) + lane - 0.09))
+                if how == "resumed" and rank == ranks[0]:
+                    resumed.append((x, y(rank) + lane / 2))
+                x += w
+        x0 += length * scale
+        if k + 1 < len(attempts):
+            mid = top - lane * len(ranks) / 2
+            ax.annotate("", xy=(x0 + joint - 0.1, mid), xytext=(x0 + 0.1, mid),
+                        arrowprops={"arrowstyle": "-|>", "color": "#333333", "lw": 1.6,
+                                    "mutation_scale": 14})
+            ax.text(x0 + joint / 2, mid + 0.08, "the agent", ha="center", va="bottom",
+                    fontsize=FONT - 1, color="#333333")
+            if k < len(between):
+                ax.text(x0 + joint / 2, bottom - 0.05, between[k], ha="center", va="top",
+                        fontsize=FONT - 1, color="#333333", linespacing=1.1)
+            x0 += joint
+    if checkpoint:
+        w = len(checkpoint) * 0.09 + 0.3
+        cx = (saved[0][0] + resumed[0][0]) / 2 if saved and resumed else left + 1
+        by = top + label_h + 0.05
+        ax.add_patch(Rectangle((cx - w / 2, by), w, 0.32, fc="white", ec="#222222", lw=1.6))
+        ax.text(cx, by + 0.16, checkpoint, ha="center", va="center", fontsize=FONT - 1,
+                fontweight="bold")
+        for x, yy in saved:  # up from the stretch, then into the file from its left
+            ax.annotate("", xy=(cx - w / 2, by + 0.16), xytext=(x, yy),
+                        arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 1.2,
+                                    "connectionstyle": "angle,angleA=90,angleB=0,rad=0"})
+        for x, yy in resumed:  # down from the file, then into the stretch from its left
+            ax.annotate("", xy=(x, yy), xytext=(cx + w / 2 - 0.25, by),
+                        arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 1.2,
+                                    "connectionstyle": "angle,angleA=-90,angleB=0,rad=0"})
+    return canvas.fig
+
+
 OVERLAP_WIDTH = MAX_WIDTH
 """Inches `show_overlap` draws: the page's width, 1,000 screen pixels."""
 
@@ -296,4 +400,85 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None) -> Figure:
                      label="waiting for a collective to finish (hatched)")]
     ax.legend(handles=handles, loc="lower left", ncol=2, frameon=False, fontsize=FONT - 1,
               bbox_to_anchor=(0.02, 0.0), handlelength=1.5, columnspacing=1.5)
+    return canvas.fig
+
+
+def show_ddp_step(layers: Sequence[str], buckets: Sequence[Sequence[str]], *,
+                  world_size: int = 2, title: str | None = None) -> Figure:
+    """One DDP training step on every rank, as a schematic in order (not measured times).
+
+    Each rank's row: the forward through `layers` (in forward order), the backward through
+    them in reverse, each layer's gradient ready in turn, then `optimizer.step()`. Below,
+    DDP's all-reduces: `buckets` lists the layers whose gradients each bucket holds, in the
+    order DDP all-reduces them; a bucket's all-reduce starts once its last gradient is
+    ready (and the bucket before it is done), and runs on all ranks at once: one box
+    across every rank, grey with the ranks' colours, as a combined value is drawn. The
+    step waits for the last all-reduce. Compute boxes are in their rank's colour.
+    """
+    layers = list(layers)
+    if not layers or world_size < 1 or not buckets:
+        raise ValueError("need at least one layer, one rank and one bucket")
+    unknown = sorted({name for b in buckets for name in b} - set(layers))
+    if unknown:
+        raise ValueError(f"buckets name layers that are not in `layers`: {unknown}")
+    n = len(layers)
+    # Schematic time: one unit per layer forward and backward, the loss between.
+    ready = {name: n + 1 + (n - layers.index(name)) for name in layers}  # end of its backward
+    comm, end = [], 0.0
+    for k, bucket in enumerate(buckets):
+        start = max([ready[name] for name in bucket] + [end])
+        end = start + 1.5
+        comm.append((k, start, end, bucket))
+    step_start = max(end, 2 * n + 1)
+    total = step_start + 1.6
+    left, right, lane = 0.95, 0.3, 0.5
+    scale = (MAX_WIDTH - left - right) / total
+    top = 0.3 + (0.35 if title else 0) + 0.3
+    rows = 2 * world_size
+    height = top + lane * rows + 0.25 + 0.45
+    canvas = Canvas(MAX_WIDTH, height, CELL, title)
+    ax = canvas.ax
+
+    def box(t0: float, t1: float, y: float, h: float, label: str, **style) -> None:
+        ax.add_patch(Rectangle((left + t0 * scale + 0.02, y), (t1 - t0) * scale - 0.04, h,
+                               **style))
+        ax.text(left + (t0 + t1) / 2 * scale, y + h / 2, label, ha="center", va="center",
+                fontsize=FONT - 1)
+
+    for phase, t0, t1 in (("forward", 0, n), ("loss", n, n + 1), ("backward", n + 1, 2 * n + 1),
+                          ("optimizer.step()", step_start, total)):
+        ax.text(left + (t0 + t1) / 2 * scale, height - top + 0.08, phase, ha="center",
+                va="bottom", fontsize=FONT, style="italic", color="#444444")
+    for r in range(world_size):
+        y = height - top - (2 * r + 1) * lane
+        color = rank_color(r)
+        ax.text(left - 0.1, y + lane / 2, f"rank {r}", ha="right", va="center",
+                fontsize=FONT, fontweight="bold", color=text_color(color))
+        style = {"fc": tint(color, 0.35), "ec": color, "lw": 0.8}
+        for i, name in enumerate(layers):
+            box(i, i + 1, y + 0.06, lane - 0.12, name, **style)
+        box(n, n + 1, y + 0.06, lane - 0.12, "loss", **style)
+        for name in layers:
+            box(ready[name] - 1, ready[name], y + 0.06, lane - 0.12, f"∇{name}", **style)
+        box(step_start, total, y + 0.06, lane - 0.12, "update", **style)
+        ax.text(left - 0.1, y - lane / 2, "comm.", ha="right", va="center", fontsize=FONT - 1,
+                color="#555555")
+    for k, t0, t1, _ in comm:  # one collective: the same box on every rank's comm. lane
+        x0, w = left + t0 * scale + 0.02, (t1 - t0) * scale - 0.04
+        for r in range(world_size):
+            y = height - top - (2 * r + 2) * lane + 0.04
+            ax.add_patch(Rectangle((x0, y), w, lane - 0.08, fc=COMBINED, ec="#777777", lw=0.8))
+            bar = w / world_size
+            for q in range(world_size):
+                ax.add_patch(Rectangle((x0 + q * bar, y), bar, 0.07, fc=rank_color(q),
+                                       ec="none"))
+            ax.text(x0 + w / 2, y + lane / 2 + 0.02, f"all-reduce b{k}", ha="center",
+                    va="center", fontsize=FONT - 1)
+    handles = [Patch(fc=tint(rank_color(r), 0.35), ec=rank_color(r), label=f"rank {r} computes")
+               for r in range(world_size)]
+    handles.append(Patch(fc=COMBINED, ec="#777777",
+                         label="all-reduce of bucket k, every rank at once"))
+    ax.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
+              fontsize=FONT - 1, bbox_to_anchor=(0.0, 0.0), handlelength=1.5,
+              columnspacing=1.2)
     return canvas.fig

@@ -4,7 +4,8 @@ Boxes rather than tensors: machines (nodes) holding their devices, each labelled
 global and local rank (`show_cluster`); the processes as a launcher placed them, with what
 it told each one (`show_launch`); the rendezvous store, each key in the colour of the rank
 that wrote it (`show_store`); a 2-D device mesh and the groups along each of its
-dimensions (`show_mesh`). A rank keeps its colour here too, so the box of rank 2 has the
+dimensions (`show_mesh`); a store left over by a dead run, read by the next one
+(`show_leftover`). A rank keeps its colour here too, so the box of rank 2 has the
 colour of rank 2's tensors in every other picture.
 """
 
@@ -14,7 +15,9 @@ from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
 from matplotlib.patches import Rectangle
+from matplotlib.textpath import TextPath
 
 from ddplab.viz.canvas import CELL, FONT, GAP, MAX_WIDTH, Canvas, title_width
 from ddplab.viz.palette import line_color, rank_color, tint
@@ -216,6 +219,177 @@ def show_mesh(mesh: Sequence[Sequence[int]], *, dim_names: Sequence[str] = ("dim
     return canvas.fig
 
 
+TRAP = "#C00000"  # red belongs to no rank: the one line a picture warns about
+TRAP_BACKGROUND = "#FDE2E2"
+
+
+def _write_lines(ax, x: float, top: float, lines: Sequence[str], highlight: Sequence[str],
+                 line_h: float = 0.2) -> None:
+    """Lines centred on `x` from `top` down, the first bold; a line that sets a variable
+    named in `highlight` ("SLURM_PROCID=0") is the trap: red and bold, on a pale red band."""
+    for n, line in enumerate(lines):
+        trap = line.split("=", 1)[0] in highlight
+        ax.text(x, top - (n + 0.5) * line_h, line, ha="center", va="center",
+                fontsize=FONT - (0 if n == 0 else 1),
+                fontweight="bold" if n == 0 or trap else "normal",
+                color=TRAP if trap else ("#111111" if n == 0 else "#333333"),
+                bbox={"fc": TRAP_BACKGROUND, "ec": TRAP, "lw": 0.8, "pad": 1.2} if trap
+                else None)
+
+
+def _text_w(lines: Sequence[str], first_bold: bool = True) -> float:
+    """The inches the widest of `_write_lines`' lines takes, measured in the font (the first
+    line at 10 pt bold, the others at 9 pt; a trap line is bold too)."""
+    widths = [0.0]
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        bold = (n == 0 and first_bold) or "=" in line  # a trap line may be bold: room for it
+        prop = FontProperties(weight="bold" if bold else "normal")
+        size = FONT if n == 0 and first_bold else FONT - 1
+        widths.append(TextPath((0, 0), line, size=size, prop=prop).get_extents().width / 72)
+    return max(widths)
+
+
+def _arrow(ax, start: tuple[float, float], end: tuple[float, float], *,
+           dashed: bool = False, color: str = "#555555") -> None:
+    ax.annotate("", xy=end, xytext=start, arrowprops={
+        "arrowstyle": "-|>", "color": color, "lw": 1.3, "shrinkA": 0, "shrinkB": 1,
+        "linestyle": (0, (4, 2)) if dashed else "-", "mutation_scale": 12})
+
+
+def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Sequence[str]]]]],
+                *, store: str, store_node: int = 0, others_connect: bool = True,
+                highlight: Sequence[str] = (), note: str | None = None,
+                title: str | None = None) -> Figure:
+    """torchrun on every node: its agent, the workers the agent started, and the store.
+
+    `nodes` is a list of (label, agent lines, workers), each worker a (rank, lines) pair as
+    in `show_launch` (its global rank colours it). One torchrun per node is the *agent*: it
+    starts the node's workers and watches them (arrows down); the agent of node
+    `store_node` hosts the store the job meets at (`store`, its text), the others connect
+    to it (dashed) unless `others_connect` is False: under c10d the agents meet at the
+    rendezvous, and the store node rank 0's agent opens is for the workers alone. Lines
+    that set a variable named in `highlight` are drawn as the trap.
+    """
+    if not nodes or any(not workers for *_, workers in nodes):
+        raise ValueError("need at least one node, each with at least one worker")
+    if not 0 <= store_node < len(nodes):
+        raise ValueError(f"store_node {store_node}: there are {len(nodes)} nodes")
+    line_h, pad, gap, margin, link, rise = 0.2, 0.07, 0.2, 0.2, 0.3, 0.5
+    box_ws = [max(0.62, max(_text_w(lines) for _, lines in workers) + 0.12)
+              for _, _, workers in nodes]
+    node_ws = [max(len(workers) * (box_w + pad) + pad, _text_w(agent) + 0.3,
+                   _text_w([label]) + 0.25)
+               for (label, agent, workers), box_w in zip(nodes, box_ws, strict=True)]
+    agent_h = max(len(agent) for _, agent, _ in nodes) * line_h + 0.14
+    worker_h = max(len(lines) for *_, workers in nodes for _, lines in workers) * line_h + 0.14
+    node_h = pad + agent_h + link + worker_h + pad + 0.3  # 0.3: the node's name, at the bottom
+    store_w, store_h = _text_w([store]) + 0.3, 0.36
+    title_h, note_h = (0.45 if title else 0.1), (0.35 if note else 0.08)
+    width = max(2 * margin + sum(node_ws) + gap * (len(nodes) - 1), store_w + 2 * margin,
+                title_width(title), _text_w(["", note or ""]) + 2 * margin)
+    height = title_h + store_h + rise + node_h + note_h
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    node_top = height - title_h - store_h - rise
+    tops = []  # where each agent's link to the store starts
+    nx = margin
+    for (label, agent, workers), node_w, box_w in zip(nodes, node_ws, box_ws, strict=True):
+        ny = node_top - node_h
+        ax.add_patch(Rectangle((nx, ny), node_w, node_h, fc="#F7F7F7", ec="#555555", lw=1.2))
+        ax.text(nx + 0.1, ny + 0.08, label, ha="left", va="bottom", fontsize=FONT,
+                fontweight="bold", color="#333333")
+        ay = node_top - pad - agent_h
+        ax.add_patch(Rectangle((nx + pad, ay), node_w - 2 * pad, agent_h, fc="#E2E2E2",
+                               ec="#444444", lw=1.2))
+        _write_lines(ax, nx + node_w / 2, ay + agent_h - 0.07, agent, highlight, line_h)
+        row_w = len(workers) * (box_w + pad) - pad
+        wy = ay - link - worker_h
+        for j, (rank, lines) in enumerate(workers):
+            bx = nx + (node_w - row_w) / 2 + j * (box_w + pad)
+            color = rank_color(int(rank))
+            ax.add_patch(Rectangle((bx, wy), box_w, worker_h, fc=tint(color),
+                                   ec=line_color(color), lw=1.4))
+            _write_lines(ax, bx + box_w / 2, wy + worker_h - 0.07, lines, highlight, line_h)
+            _arrow(ax, (bx + box_w / 2, ay), (bx + box_w / 2, wy + worker_h))
+        tops.append((nx + node_w / 2, ay + agent_h))
+        nx += node_w + gap
+    hx = tops[store_node][0]
+    sx = min(max(hx - store_w / 2, margin), width - margin - store_w)
+    sy = node_top + rise
+    ax.add_patch(Rectangle((sx, sy), store_w, store_h, fc="white", ec="#222222", lw=1.8))
+    ax.text(sx + store_w / 2, sy + store_h / 2, store, ha="center", va="center",
+            fontsize=FONT, fontweight="bold", color="#222222")
+    for i, (cx, top) in enumerate(tops):
+        if i != store_node and not others_connect:
+            continue
+        end = (min(max(cx, sx + 0.3), sx + store_w - 0.3), sy)
+        _arrow(ax, (cx, top), end, dashed=i != store_node)
+        ax.text(cx + 0.08, node_top + 0.14, "hosts" if i == store_node else "connects",
+                ha="left", va="center",
+                fontsize=FONT - 1, color="#333333",
+                bbox={"fc": "white", "ec": "none", "pad": 0.5})
+    if note:
+        ax.text(margin, note_h / 2, note, ha="left", va="center", fontsize=FONT - 1,
+                color=TRAP if highlight else "#333333")
+    return canvas.fig
+
+
+def show_nesting(launchers: Sequence[tuple[str, str]], workers: Sequence[tuple[int, Sequence[str]]],
+                 *, highlight: Sequence[str] = (), note: str | None = None,
+                 title: str | None = None) -> Figure:
+    """Launchers started by launchers: each a frame inside the one that started it.
+
+    `launchers` go outermost first, each (command, what it does); the innermost frame holds
+    the workers, (rank, lines) pairs as in `show_launch`. A process inherits the variables
+    of every launcher around it, so a line that sets a variable named in `highlight` (one
+    an outer launcher set, the same in every worker) is drawn as the trap, and `note` says why.
+    """
+    if not launchers or not workers:
+        raise ValueError("need at least one launcher and one worker")
+    line_h, pad, inset, head_h, margin = 0.2, 0.1, 0.16, 0.46, 0.2
+    box_w = max(1.0, max(_text_w(lines) for _, lines in workers) + 0.16)
+    worker_h = max(len(lines) for _, lines in workers) * line_h + 0.14
+    row_w = len(workers) * (box_w + pad) - pad
+    depth = len(launchers)
+    heads = [max(_text_w([command]) * 1.15, _text_w(["", what])) + 0.25 + k * inset
+             for k, (command, what) in enumerate(launchers)]  # 1.15: monospace is wider
+    inner_w = max(row_w + 2 * pad, *(h - (depth - 1) * inset for h in heads))
+    frame_w = inner_w + 2 * inset * (depth - 1)
+    frame_h = depth * head_h + worker_h + 2 * pad + inset * (depth - 1)
+    title_h, note_h = (0.45 if title else 0.1), (0.35 if note else 0.08)
+    width = max(frame_w + 2 * margin, title_width(title),
+                _text_w(["", note or ""]) + 2 * margin)
+    height = title_h + frame_h + note_h
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    top = height - title_h
+    shades = ["#F4F4F4", "#EAEAEA", "#E0E0E0", "#D6D6D6", "#CCCCCC"]
+    for k, (command, what) in enumerate(launchers):
+        x, w = margin + k * inset, frame_w - 2 * k * inset
+        y_top = top - k * head_h
+        y_bottom = top - frame_h + k * inset
+        ax.add_patch(Rectangle((x, y_bottom), w, y_top - y_bottom, fc=shades[k % len(shades)],
+                               ec="#555555", lw=1.2))
+        ax.text(x + 0.1, y_top - 0.08, command, ha="left", va="top", fontsize=FONT,
+                fontweight="bold", family="monospace", color="#222222")
+        ax.text(x + 0.1, y_top - 0.29, what, ha="left", va="top", fontsize=FONT - 1,
+                color="#444444", style="italic")
+    inner_x = margin + (depth - 1) * inset
+    wy = top - depth * head_h - worker_h - pad + 0.05
+    for j, (rank, lines) in enumerate(workers):
+        bx = inner_x + (inner_w - row_w) / 2 + j * (box_w + pad)
+        color = rank_color(int(rank))
+        ax.add_patch(Rectangle((bx, wy), box_w, worker_h, fc=tint(color),
+                               ec=line_color(color), lw=1.4))
+        _write_lines(ax, bx + box_w / 2, wy + worker_h - 0.07, lines, highlight, line_h)
+    if note:
+        ax.text(margin, note_h / 2, note, ha="left", va="center", fontsize=FONT - 1,
+                color=TRAP if highlight else "#333333")
+    return canvas.fig
+
+
 def _edge(center: tuple[float, float], half: tuple[float, float],
           toward: tuple[float, float]) -> tuple[float, float]:
     """Where the line from a box's center toward a point leaves the box."""
@@ -300,4 +474,72 @@ def show_rendezvous(world_size: int, address: str, *, title: str | None = None) 
                 for b in range(a + 1, world_size):
                     ax.plot([spots[a][0], spots[b][0]], [spots[a][1], spots[b][1]],
                             color="#666666", lw=1.6, zorder=2, solid_capstyle="butt")
+    return canvas.fig
+
+
+def show_leftover(notes: Sequence[tuple[str, object, int]], reads: Sequence[tuple[int, str]], *,
+                  title: str | None = None) -> Figure:
+    """A store left over from a dead run, and the next run reading it: the stale-file trap.
+
+    `notes` are the store's entries as `show_store` takes them, (key, value, writer rank),
+    all written by run 1's ranks, which then died; `reads` are (reader rank, key): what
+    each rank of run 2 looked up. Left, run 1's ranks, hatched and marked dead; in the
+    middle, their notes, each row in its writer's colour and beside it; right, run 2's
+    ranks, alive, each with an arrow in its own colour to the note it read. Every arrow
+    ends at a note whose writer is gone: the answer came at once, and it is a dead
+    process's address.
+    """
+    keys = [str(key) for key, _, _ in notes]
+    if not notes or len(set(keys)) != len(keys):
+        raise ValueError("show_leftover needs notes with distinct keys")
+    missing = [key for _, key in reads if str(key) not in keys]
+    if missing:
+        raise ValueError(f"run 2 read keys the file does not hold: {missing}")
+    box_w, box_h, row = 1.35, 0.42, 0.6
+    key_w = max(len(k) for k in keys) * 0.09 + 0.3
+    val_w = max(len(str(v)) for _, v, _ in notes) * 0.09 + 0.3
+    x_dead, x_file = 0.3, 0.3 + box_w + 0.6
+    x_live = x_file + key_w + val_w + 1.9
+    width = max(x_live + box_w + 0.3, title_width(title))
+    top, head, foot = (0.55 if title else 0.15), 0.45, 0.55
+    height = top + head + row * len(notes) + foot
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    y_head = height - top - 0.1
+    for x, w, text in ((x_dead, box_w, "run 1 (killed)"),
+                       (x_file, key_w + val_w, "the file it left"),
+                       (x_live, box_w, "run 2 (alive)")):
+        ax.text(x + w / 2, y_head, text, ha="center", va="top", fontsize=FONT,
+                fontweight="bold", color="#333333")
+
+    def middle(i: int) -> float:
+        return height - top - head - (i + 0.5) * row
+
+    row_of = {}
+    for i, (key, value, writer) in enumerate(notes):
+        row_of[str(key)] = i
+        color, y = rank_color(writer), middle(i)
+        ax.add_patch(Rectangle((x_dead, y - box_h / 2), box_w, box_h, fc="white",
+                               ec=line_color(color), hatch="///", ls="--", lw=1.2))
+        ax.text(x_dead + box_w / 2, y, f"rank {writer} (dead)", ha="center", va="center",
+                fontsize=FONT, fontweight="bold", color="#444444",
+                bbox={"fc": "white", "ec": "none", "pad": 1})
+        ax.plot([x_dead + box_w + 0.05, x_file - 0.05], [y, y], color=line_color(color),
+                lw=1.2, ls=(0, (3, 2)))
+        for x, w, text in ((x_file, key_w, str(key)), (x_file + key_w, val_w, str(value))):
+            ax.add_patch(Rectangle((x, y - row / 2 + 0.04), w, row - 0.08, fc=tint(color),
+                                   ec="white"))
+            ax.text(x + 0.1, y, text, ha="left", va="center", fontsize=FONT,
+                    family="monospace")
+    file_right = x_file + key_w + val_w
+    for i, (reader, key) in enumerate(reads):
+        color, y = rank_color(reader), middle(i)
+        ax.add_patch(Rectangle((x_live, y - box_h / 2), box_w, box_h, fc=tint(color),
+                               ec=line_color(color), lw=1.6))
+        ax.text(x_live + box_w / 2, y, f"rank {reader}", ha="center", va="center",
+                fontsize=FONT + 1, fontweight="bold")
+        canvas.arrow((x_live - 0.05, y), (file_right + 0.05, middle(row_of[str(key)])), color)
+    ax.text(width / 2, foot - 0.22, "each rank of run 2 looks up its neighbour's address and "
+            "gets one at once: a dead process's", ha="center", va="center",
+            fontsize=FONT - 1, color="#333333")
     return canvas.fig
