@@ -15,6 +15,10 @@ What is shown is the command, then its stdout, then its stderr (kept apart, not
 interleaved: the order in which two processes' lines reach a terminal varies from run to
 run, and committed outputs must not). Paths of this machine are shown by what they are
 (`$RUNS`, `site-packages`), so outputs read the same everywhere.
+
+`children_stderr()` is the same idea for processes a cell starts itself, such as
+`mp.spawn`'s children: what they write to their stderr is collected, so that the cell can
+show the line that matters instead of every child's traceback.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,3 +237,57 @@ def _stop_group(process: subprocess.Popen) -> None:
             member.kill()
     with contextlib.suppress(subprocess.TimeoutExpired, ValueError):
         process.communicate(timeout=GRACE)  # the pipes close once every writer is gone
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class Captured:
+    """What processes wrote to their stderr inside `children_stderr()`: complete once the
+    block has ended."""
+
+    text: str = ""
+
+    def lines(self, prefix: str) -> list[str]:
+        """The distinct lines that start with `prefix`, in the order first written: several
+        children that fail alike write the same line once each."""
+        return list(dict.fromkeys(line for line in self.text.splitlines()
+                                  if line.startswith(prefix)))
+
+
+@contextlib.contextmanager
+def children_stderr() -> Iterator[Captured]:
+    """Collect what processes started inside the block write to their stderr.
+
+        with children_stderr() as said:
+            mp.spawn(fn, nprocs=2)          # the children's tracebacks go to `said`
+        said.lines("AttributeError")
+
+    Child processes inherit file descriptor 2, not Python's `sys.stderr`: a notebook's
+    kernel points fd 2 at its own log, so their tracebacks would be lost there (or, in a
+    terminal, interleaved in an order that varies from run to run). For the block, fd 2 is
+    pointed at a temporary file, which children started meanwhile inherit, and restored
+    after, even if the block raises. Colour codes are removed from the text (ipykernel sets
+    FORCE_COLOR, and Python 3.13 then colours tracebacks); NO_COLOR is set for the block so
+    that children started meanwhile print none in the first place.
+    """
+    captured = Captured()
+    saved_fd = os.dup(2)
+    saved_no_color = os.environ.get("NO_COLOR")
+    with tempfile.TemporaryFile() as file:
+        sys.stderr.flush()
+        os.dup2(file.fileno(), 2)
+        os.environ["NO_COLOR"] = "1"
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            if saved_no_color is None:
+                os.environ.pop("NO_COLOR", None)
+            else:
+                os.environ["NO_COLOR"] = saved_no_color
+            file.seek(0)
+            captured.text = _ANSI.sub("", file.read().decode(errors="replace"))

@@ -893,6 +893,25 @@ def _unknown_flat(t):
     return data
 
 
+def _unknown_assumes_2d(t):
+    """3.2, close: sends the shape in a header of fixed size, but as if every tensor had two
+    dimensions (rows, the rest), so a 1-D tensor arrives as a column."""
+    import torch
+    import torch.distributed as dist
+
+    header = torch.zeros(2, dtype=torch.int64)
+    if dist.get_rank() == 0:
+        header[0], header[1] = t.shape[0], t.numel() // t.shape[0]
+        for dst in range(1, dist.get_world_size()):
+            dist.send(header, dst=dst)
+            dist.send(t.contiguous(), dst=dst)
+        return t
+    dist.recv(header, src=0)
+    data = torch.empty(header.tolist(), dtype=torch.float32)
+    dist.recv(data, src=0)
+    return data
+
+
 def _ring_gather_in_arrival_order(t):
     """3.3, wrong places: the tensors in the order they arrived, not in rank order."""
     import torch
@@ -939,6 +958,8 @@ CHAPTER_3 = [
      "of plain tensors"),
     ("3.2", _unknown_flat, "with rank 0's tensor of shape (2, 3), rank 1 returned a tensor of "
      "shape (6,)", "number of dimensions"),
+    ("3.2", _unknown_assumes_2d, "with rank 0's tensor of shape (5,), rank 1 returned a tensor "
+     "of shape (5, 1)", "number of dimensions"),
     ("3.3", _ring_gather_in_arrival_order, "with 3 ranks, item 1 of rank 0's list is "
      "tensor([20, 21, 22], dtype=int64); expected rank 1's", "tens digit of what just "
      "arrived"),

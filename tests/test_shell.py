@@ -3,9 +3,13 @@ and in test_launchers.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
-from ddplab.shell import EXIT_BARRIER_NOTE, Shell, fold_exit_barrier_race
+import pytest
+
+from ddplab.shell import EXIT_BARRIER_NOTE, Shell, children_stderr, fold_exit_barrier_race
 
 # Node rank 1's stderr when the master's agent got through torchrun's exit barrier first
 # and took its store with it (seen in CI, 2026-11-23; C++ frames shortened).
@@ -63,3 +67,24 @@ def test_commands_print_no_colours_even_where_the_kernel_forces_them(monkeypatch
     assert done.stdout == "['NO_COLOR']\n"
     assert done.stderr.splitlines()[-1] == "KeyError: 1"
     assert "\x1b[" not in done.stderr
+
+
+def test_children_stderr_collects_what_started_processes_write_and_restores_fd_2():
+    before = os.fstat(2)
+    with children_stderr() as said:
+        # a child inherits fd 2; ANSI colours are removed; NO_COLOR is set for the child
+        subprocess.run([sys.executable, "-c", "import os, sys; "
+                        "sys.stderr.write('\\x1b[31mValueError: boom\\x1b[0m\\n'); "
+                        "sys.stderr.write('ValueError: boom\\nother\\n'); "
+                        "sys.stderr.write(os.environ.get('NO_COLOR', '') + '\\n')"],
+                       check=True)
+    assert said.lines("ValueError") == ["ValueError: boom"]
+    assert said.text.splitlines()[-1] == "1"
+    assert os.fstat(2).st_ino == before.st_ino  # fd 2 points where it did
+
+
+def test_children_stderr_restores_fd_2_when_the_block_raises():
+    before = os.fstat(2)
+    with pytest.raises(RuntimeError), children_stderr():
+        raise RuntimeError("inside")
+    assert os.fstat(2).st_ino == before.st_ino

@@ -637,3 +637,20 @@ def test_rendezvous_draws_an_arrow_per_client_and_a_link_per_pair_within_the_pag
     for size in (1, 7):
         with pytest.raises(ValueError, match="2 to 6 ranks"):
             viz.show_rendezvous(size, "127.0.0.1:29500")
+
+
+def test_show_leftover_draws_each_reader_arrow_to_a_dead_writers_note_within_the_page():
+    notes = [(f"address/{r}", f"run 1, rank {r}", r) for r in range(4)]
+    reads = [(r, f"address/{(r + 1) % 4}") for r in range(4)]
+    fig = viz.show_leftover(notes, reads, title="the leftover file, as run 2 finds it")
+    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    assert len(arrows) == 4  # one per rank of run 2, in its colour
+    for arrow, (reader, _) in zip(arrows, reads, strict=True):
+        assert arrow.get_edgecolor()[:3] == pytest.approx(viz.line_color(viz.rank_color(reader)))
+    shown = texts(fig)
+    assert all(f"rank {r} (dead)" in shown for r in range(4))
+    assert viz.screen_size(fig)[0] <= 1000
+    with pytest.raises(ValueError, match="does not hold"):
+        viz.show_leftover(notes, [(0, "address/9")])
+    with pytest.raises(ValueError, match="distinct keys"):
+        viz.show_leftover(notes + notes[:1], reads)

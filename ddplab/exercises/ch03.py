@@ -156,9 +156,9 @@ def _unknown_on_rank(attempt: Callable, shape: tuple):
 
 
 @exercise("3.2", "A tensor of unknown shape", solution="send_unknown",
-          hint="a receiver can only recv into a buffer it has made, so it must learn the "
-               "shape first. What could rank 0 send before the data, in a message whose "
-               "size every rank knows in advance?")
+          hint="a receiver can only recv into a buffer it has made. What must it know to "
+               "make one for the data, and how could rank 0 tell it that in a message the "
+               "receiver can make a buffer for?")
 def check_send_unknown(attempt: Callable) -> str:
     import torch
 

@@ -15,6 +15,7 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
 - topology (`topology`): `show_cluster`, `show_launch`, `show_store`, `show_rendezvous`,
   `show_mesh`: nodes and their devices, processes as a launcher placed them, a rendezvous
   store, the rendezvous itself, a 2-D mesh;
+  `show_leftover`: a store left over by a dead run, and the next run reading it;
   `show_agents`, `show_nesting`: torchrun's agents, workers and store, and launchers
   started inside launchers, with the variable that traps a script drawn in red;
 - data (`data`): `show_digits`, `show_sampler`: MNIST digits, and a sampler's split;
@@ -59,6 +60,7 @@ from ddplab.viz.topology import (
     show_agents,
     show_cluster,
     show_launch,
+    show_leftover,
     show_mesh,
     show_nesting,
     show_rendezvous,
@@ -70,7 +72,7 @@ __all__ = [
     "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
     "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
     "show_before_after", "show_buckets", "show_cluster", "show_digits", "show_flight",
-    "show_inbox", "show_launch", "show_mesh", "show_nesting", "show_overlap", "show_ranks",
-    "show_rendezvous", "show_ring", "show_sampler", "show_steps", "show_store",
+    "show_inbox", "show_launch", "show_leftover", "show_mesh", "show_nesting", "show_overlap",
+    "show_ranks", "show_rendezvous", "show_ring", "show_sampler", "show_steps", "show_store",
     "show_timeline", "show_transfers", "text_color", "tint",
 ]

@@ -4,7 +4,8 @@ Boxes rather than tensors: machines (nodes) holding their devices, each labelled
 global and local rank (`show_cluster`); the processes as a launcher placed them, with what
 it told each one (`show_launch`); the rendezvous store, each key in the colour of the rank
 that wrote it (`show_store`); a 2-D device mesh and the groups along each of its
-dimensions (`show_mesh`). A rank keeps its colour here too, so the box of rank 2 has the
+dimensions (`show_mesh`); a store left over by a dead run, read by the next one
+(`show_leftover`). A rank keeps its colour here too, so the box of rank 2 has the
 colour of rank 2's tensors in every other picture.
 """
 
@@ -475,4 +476,72 @@ def show_rendezvous(world_size: int, address: str, *, title: str | None = None) 
                 for b in range(a + 1, world_size):
                     ax.plot([spots[a][0], spots[b][0]], [spots[a][1], spots[b][1]],
                             color="#666666", lw=1.6, zorder=2, solid_capstyle="butt")
+    return canvas.fig
+
+
+def show_leftover(notes: Sequence[tuple[str, object, int]], reads: Sequence[tuple[int, str]], *,
+                  title: str | None = None) -> Figure:
+    """A store left over from a dead run, and the next run reading it: the stale-file trap.
+
+    `notes` are the store's entries as `show_store` takes them, (key, value, writer rank),
+    all written by run 1's ranks, which then died; `reads` are (reader rank, key): what
+    each rank of run 2 looked up. Left, run 1's ranks, hatched and marked dead; in the
+    middle, their notes, each row in its writer's colour and beside it; right, run 2's
+    ranks, alive, each with an arrow in its own colour to the note it read. Every arrow
+    ends at a note whose writer is gone: the answer came at once, and it is a dead
+    process's address.
+    """
+    keys = [str(key) for key, _, _ in notes]
+    if not notes or len(set(keys)) != len(keys):
+        raise ValueError("show_leftover needs notes with distinct keys")
+    missing = [key for _, key in reads if str(key) not in keys]
+    if missing:
+        raise ValueError(f"run 2 read keys the file does not hold: {missing}")
+    box_w, box_h, row = 1.35, 0.42, 0.6
+    key_w = max(len(k) for k in keys) * 0.09 + 0.3
+    val_w = max(len(str(v)) for _, v, _ in notes) * 0.09 + 0.3
+    x_dead, x_file = 0.3, 0.3 + box_w + 0.6
+    x_live = x_file + key_w + val_w + 1.9
+    width = max(x_live + box_w + 0.3, title_width(title))
+    top, head, foot = (0.55 if title else 0.15), 0.45, 0.55
+    height = top + head + row * len(notes) + foot
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    y_head = height - top - 0.1
+    for x, w, text in ((x_dead, box_w, "run 1 (killed)"),
+                       (x_file, key_w + val_w, "the file it left"),
+                       (x_live, box_w, "run 2 (alive)")):
+        ax.text(x + w / 2, y_head, text, ha="center", va="top", fontsize=FONT,
+                fontweight="bold", color="#333333")
+
+    def middle(i: int) -> float:
+        return height - top - head - (i + 0.5) * row
+
+    row_of = {}
+    for i, (key, value, writer) in enumerate(notes):
+        row_of[str(key)] = i
+        color, y = rank_color(writer), middle(i)
+        ax.add_patch(Rectangle((x_dead, y - box_h / 2), box_w, box_h, fc="white",
+                               ec=line_color(color), hatch="///", ls="--", lw=1.2))
+        ax.text(x_dead + box_w / 2, y, f"rank {writer} (dead)", ha="center", va="center",
+                fontsize=FONT, fontweight="bold", color="#444444",
+                bbox={"fc": "white", "ec": "none", "pad": 1})
+        ax.plot([x_dead + box_w + 0.05, x_file - 0.05], [y, y], color=line_color(color),
+                lw=1.2, ls=(0, (3, 2)))
+        for x, w, text in ((x_file, key_w, str(key)), (x_file + key_w, val_w, str(value))):
+            ax.add_patch(Rectangle((x, y - row / 2 + 0.04), w, row - 0.08, fc=tint(color),
+                                   ec="white"))
+            ax.text(x + 0.1, y, text, ha="left", va="center", fontsize=FONT,
+                    family="monospace")
+    file_right = x_file + key_w + val_w
+    for i, (reader, key) in enumerate(reads):
+        color, y = rank_color(reader), middle(i)
+        ax.add_patch(Rectangle((x_live, y - box_h / 2), box_w, box_h, fc=tint(color),
+                               ec=line_color(color), lw=1.6))
+        ax.text(x_live + box_w / 2, y, f"rank {reader}", ha="center", va="center",
+                fontsize=FONT + 1, fontweight="bold")
+        canvas.arrow((x_live - 0.05, y), (file_right + 0.05, middle(row_of[str(key)])), color)
+    ax.text(width / 2, foot - 0.22, "each rank of run 2 looks up its neighbour's address and "
+            "gets one at once: a dead process's", ha="center", va="center",
+            fontsize=FONT - 1, color="#333333")
     return canvas.fig
