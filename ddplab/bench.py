@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -141,23 +142,43 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+STATISTICS = ("mean", "median")
+
+
 def measure(op: str, nbytes: int, *, iters: int = 20, warmup: int = 5,
-            dtype: torch.dtype = torch.float32) -> Result:
-    """Time `op` on about `nbytes` on every rank of the default group (call it on all)."""
+            dtype: torch.dtype = torch.float32, statistic: str = "mean") -> Result:
+    """Time `op` on about `nbytes` on every rank of the default group (call it on all).
+
+    `statistic` "mean" is nccl-tests' (the whole loop timed, divided by `iters`); "median"
+    times each run on its own and keeps the middle one, which a few runs slowed by
+    something else on the machine (the first use of a buffer, another process) barely
+    move.
+    """
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters {iters}, warmup {warmup}: need iters >= 1 and warmup >= 0")
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic {statistic!r}: choose one of {', '.join(STATISTICS)}")
     device = group_device()
     run, count = _operation(op, nbytes, dtype, device)
     for _ in range(warmup):
         run()
     _sync(device)
     dist.barrier()
+    runs = []
     start = time.perf_counter()
     for _ in range(iters):
         run()
+        if statistic == "median":
+            _sync(device)
+            runs.append(time.perf_counter() - start)
+            start = time.perf_counter()
     _sync(device)
-    mine = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64,
-                        device=device)
+    if statistic == "median":
+        seconds = sorted(runs)[len(runs) // 2] if len(runs) % 2 else \
+            sum(sorted(runs)[len(runs) // 2 - 1:len(runs) // 2 + 1]) / 2
+    else:
+        seconds = (time.perf_counter() - start) / iters
+    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the collective ends with its slowest rank
     return Result(op, count * dtype.itemsize, count, str(dtype).removeprefix("torch."),
                   dist.get_world_size(), mine.item())
@@ -183,17 +204,18 @@ def check(ops: Sequence[str], dtype: str, world_size: int | None = None) -> None
 
 
 def sweep(ops: Sequence[str] | None = None, sizes: Sequence[int] | None = None, *,
-          iters: int = 20, warmup: int = 5, dtype: str = "float32") -> list[Result]:
+          iters: int = 20, warmup: int = 5, dtype: str = "float32",
+          statistic: str = "mean") -> list[Result]:
     """Every collective of `ops` at every size (default: 8 B to 64 MiB); call on all ranks.
 
     `ops` defaults to every collective this world size can run (`default_ops`: on one rank,
-    one GPU say, all but send_recv).
+    one GPU say, all but send_recv); `statistic` is `measure`'s.
     """
     world_size = dist.get_world_size()
     ops = default_ops(world_size) if ops is None else ops
     check(ops, dtype, world_size)
-    return [measure(op, size, iters=iters, warmup=warmup, dtype=DTYPES[dtype])
-            for op in ops for size in (sizes or message_sizes())]
+    return [measure(op, size, iters=iters, warmup=warmup, dtype=DTYPES[dtype],
+                    statistic=statistic) for op in ops for size in (sizes or message_sizes())]
 
 
 def machine() -> str:
@@ -239,11 +261,19 @@ def table(results: Sequence[Result], stamp: str | None = None) -> str:
     """nccl-tests' columns, one block per collective; `stamp` says what it ran on."""
     lines = [f"# {stamp}"] if stamp else []
     for op in dict.fromkeys(r.op for r in results):
-        rows = [["", _human(r.bytes), r.count, r.dtype, f"{r.seconds * 1e6:.1f}",
-                 f"{r.algbw:.3f}", f"{r.busbw:.3f}"] for r in results if r.op == op]
+        rows = [["", _human(r.bytes), r.count, r.dtype, _digits(r.seconds * 1e6),
+                 _digits(r.algbw), _digits(r.busbw)] for r in results if r.op == op]
         lines += ["", f"# {op}  (busbw = algbw x {_factor_text(op)})",
                   format_table([*_HEADER, *rows], align="<>>>>>>", widths=_WIDTHS, sep=" ")]
     return "\n".join(lines).lstrip("\n")
+
+
+def _digits(value: float) -> str:
+    """At least three significant digits, in plain decimals (2415, 127, 1.02, 0.000452):
+    a fixed number of decimals would print a slow small message's GB/s as 0.000."""
+    if value <= 0 or not math.isfinite(value):
+        return f"{value:g}"
+    return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f}"
 
 
 def _factor_text(op: str) -> str:
@@ -251,7 +281,7 @@ def _factor_text(op: str) -> str:
 
 
 def plot(results: Sequence[Result], *, title: str | None = None):
-    """busbw against message size, a line per collective (a matplotlib Figure)."""
+    """busbw against message size, log-log, a line per collective (a matplotlib Figure)."""
     from matplotlib.figure import Figure
 
     if not results:
@@ -266,9 +296,18 @@ def plot(results: Sequence[Result], *, title: str | None = None):
         ax.plot([r.bytes for r in mine], [r.busbw for r in mine], marker=marker, ls=style,
                 color=color, mfc="white", ms=5, lw=1.3, label=op)
     ax.set_xscale("log", base=2)
+    # log busbw too: while latency dominates, busbw grows in proportion to the size (a
+    # straight line of slope 1), then bends towards the links' ceiling; a linear axis would
+    # flatten the small sizes onto zero
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("busbw (GB/s)")
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, which="both", alpha=0.25)
     ops = len({r.op for r in results})
     fig.legend(loc="lower center", ncol=ops, fontsize=9, frameon=False)  # never on the data
     if title:

@@ -13,10 +13,14 @@ each is a known number of steps, each step one message per rank, all at once:
   times α + S·β, one after the other;
 - whole tensor ring: n − 1 steps of S bytes.
 
-The model leaves out the time to add the chunks and any contention between links; the
+The model leaves out the time to add the chunks and any contention between links, and it
+assumes full-duplex links (sending and receiving at once costs no more than sending); the
 chapter measures how far off that is. `ping_pong` measures α and β between two ranks of a
 pool (one-way time = half the round trip), `fit` draws the line through the measurements,
-and `time_all_reduce` times each algorithm on the ranks, to hold against `predict`.
+`exchange` times a swap (both directions at once) to set beside it, and `time_all_reduces`
+times the algorithms on the ranks, taking turns, to hold against `predict`. `crossover`
+and `plot_model` need no measurement: where the ring overtakes recursive doubling, and
+every algorithm's predicted time, for any α, β and n.
 """
 
 from __future__ import annotations
@@ -95,13 +99,25 @@ def fit(sizes: Sequence[float], seconds: Sequence[float]) -> Model:
     return Model(alpha=max(my - beta * mx, 0.0), beta=beta)
 
 
+def _shared(times: list[float]) -> list[float]:
+    """Rank 0's measurements, on every rank (rank 0's clock timed them)."""
+    import torch
+    import torch.distributed as dist
+
+    shared = torch.tensor(times, dtype=torch.float64)
+    dist.broadcast(shared, src=0)
+    return shared.tolist()
+
+
 def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[float]:
     """Run on every rank: ranks 0 and 1 bounce a message of each size; the others wait.
 
     Returns, on every rank, the one-way time for each size: the fastest of `iters` round
-    trips, halved. Other work on the machine only ever adds time to a round trip, so on a
-    busy machine the fastest is the best estimate of what the messages themselves cost (a
-    median there measures the machine's load, and can even fall as messages grow).
+    trips, halved. One message is in flight at a time, in one direction: what the α–β
+    model's α + m·β describes. Other work on the machine only ever adds time to a round
+    trip, so the fastest is the best estimate of what the messages themselves cost (on a
+    busy machine a median measures the load: a round trip that waits for a time slice
+    takes milliseconds, however small its message).
     """
     import torch
     import torch.distributed as dist
@@ -124,20 +140,44 @@ def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[fl
             if i >= warmup:
                 rounds.append(time.perf_counter() - start)
         times.append(min(rounds) / 2)
-    shared = torch.tensor(times, dtype=torch.float64)
-    dist.broadcast(shared, src=0)  # rank 0's clock measured the round trips
-    return shared.tolist()
+    return _shared(times)
 
 
-def time_all_reduce(algorithm: str, nbytes: int, iters: int = 10, warmup: int = 2) -> float:
-    """Run on every rank: seconds one all-reduce of `nbytes` takes with `algorithm` (one of
-    `ddplab.ring.ALGORITHMS`, or "gloo" for `dist.all_reduce` itself).
+def exchange(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[float]:
+    """Run on every rank: ranks 0 and 1 *swap* a message of each size, both directions at
+    once (isend and irecv, then wait on both), as every step of a ring does.
 
-    Each run starts together (a barrier) and ends with the slowest rank (MAX over ranks),
-    as a collective does; the fastest of `iters` runs is returned on every rank, the same
-    statistic `ping_pong` takes, so that measurement and prediction compare like with like.
+    Returns, on every rank, the fastest of `iters` swaps (as `ping_pong`, for the same
+    reason). On a full-duplex link, which the
+    α–β model assumes, it equals the one-way time of `ping_pong`: sending and receiving at
+    once costs no more than sending. Where the same cores copy both directions (two
+    processes on one machine), it costs more, and the ratio says how much.
     """
     import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if dist.get_world_size() < 2:
+        raise ValueError("exchange needs two ranks: use a pool of 2 or more")
+    times = []
+    for size in sizes:
+        out = torch.zeros(max(size, 1), dtype=torch.uint8)
+        into = torch.empty_like(out)
+        rounds = []
+        for i in range(warmup + iters):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank < 2:
+                requests = [dist.isend(out, 1 - rank), dist.irecv(into, 1 - rank)]
+                for request in requests:
+                    request.wait()
+            if i >= warmup:
+                rounds.append(time.perf_counter() - start)
+        times.append(min(rounds))
+    return _shared(times)
+
+
+def _runner(algorithm: str):
     import torch.distributed as dist
 
     from ddplab import ring
@@ -145,22 +185,65 @@ def time_all_reduce(algorithm: str, nbytes: int, iters: int = 10, warmup: int = 
     if algorithm == "gloo":
         def run(t):
             dist.all_reduce(t)
-    elif algorithm in ring.ALGORITHMS:
-        run = ring.ALGORITHMS[algorithm]
-    else:
-        raise ValueError(f"algorithm {algorithm!r}: choose one of "
-                         f"{['gloo', *ring.ALGORITHMS]}")
-    tensor = torch.ones(max(nbytes // 4, 1))
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        start = time.perf_counter()
-        run(tensor)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.min().item()
+        return run
+    if algorithm in ring.ALGORITHMS:
+        return ring.ALGORITHMS[algorithm]
+    raise ValueError(f"algorithm {algorithm!r}: choose one of {['gloo', *ring.ALGORITHMS]}")
+
+
+def time_all_reduces(algorithms: Sequence[str], sizes: Sequence[int], rounds: int = 20,
+                     warmup: int = 2) -> dict[str, list[tuple[int, float]]]:
+    """Run on every rank: the seconds one all-reduce of each size takes with each algorithm
+    (of `ddplab.ring.ALGORITHMS`, or "gloo" for `dist.all_reduce` itself).
+
+    The algorithms take turns: each of the `rounds` runs every algorithm at every size
+    once, so a busy moment of the machine slows all of them alike, not the one that happened
+    to be timed then. Each run starts together (a barrier) and ends with the slowest rank
+    (MAX over ranks), as a collective does; the fastest run is returned, on every rank, as
+    {algorithm: [(size, seconds), ...]}: the statistic `ping_pong` takes, so that
+    measurement and prediction compare like with like, and one that other work on the
+    machine, which only ever adds time, moves least.
+    """
+    import torch
+    import torch.distributed as dist
+
+    runners = {algorithm: _runner(algorithm) for algorithm in algorithms}
+    tensors = {size: torch.ones(max(size // 4, 1)) for size in sizes}
+    times: dict[tuple[str, int], list[float]] = {(a, s): [] for a in algorithms for s in sizes}
+    for i in range(warmup + rounds):
+        for size in sizes:
+            for algorithm, run in runners.items():
+                dist.barrier()
+                start = time.perf_counter()
+                run(tensors[size])
+                if i >= warmup:
+                    times[(algorithm, size)].append(time.perf_counter() - start)
+    keys = list(times)
+    slowest = torch.tensor([times[key] for key in keys], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a run ends with its slowest rank
+    fastest = {key: min(row) for key, row in zip(keys, slowest.tolist(), strict=True)}
+    return {a: [(s, fastest[(a, s)]) for s in sizes] for a in algorithms}
+
+
+def time_all_reduce(algorithm: str, nbytes: int, iters: int = 10, warmup: int = 2) -> float:
+    """Run on every rank: the fastest of `iters` all-reduces of `nbytes` with
+    `algorithm` (see `time_all_reduces`, which times several algorithms taking turns)."""
+    return time_all_reduces([algorithm], [nbytes], rounds=iters, warmup=warmup)[algorithm][0][1]
+
+
+def crossover(model: Model, world_size: int) -> float:
+    """The message size in bytes above which the ring beats recursive doubling on
+    `world_size` ranks, by the model: where 2(n − 1)·α + 2(n − 1)/n · S·β equals
+    log2(n)·(α + S·β), that is S = α/β · (2(n − 1) − log2 n) / (log2 n − 2(n − 1)/n).
+    Infinite for n = 2, where both send S bytes per rank and the ring pays one α more."""
+    n = world_size
+    if n < 2:
+        raise ValueError(f"world_size {n}: an all-reduce algorithm needs 2 ranks or more")
+    fewer_bytes = math.log2(n) - 2 * (n - 1) / n  # S·β the ring saves
+    more_steps = 2 * (n - 1) - math.log2(n)  # α's the ring pays on top
+    if fewer_bytes <= 0 or model.beta == 0:
+        return math.inf
+    return model.alpha / model.beta * more_steps / fewer_bytes
 
 
 # --- pictures (matplotlib is imported here only: ranks import this module) ---------------
@@ -268,3 +351,56 @@ def plot_predictions(model: Model, world_size: int,
                fontsize=9, handlelength=2.5, columnspacing=1.5)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
+
+
+def plot_model(model: Model, world_sizes: Sequence[int] = (4, 8, 64), *,
+               sizes: tuple[int, int] = (1 << 10, 1 << 30), title: str | None = None):
+    """The model's predictions only, no measurement: each algorithm's all-reduce time
+    against message size, a panel per world size, with the size above which the ring beats
+    recursive doubling (`crossover`) marked. Predictions follow from α and β alone, so the
+    picture is the same wherever it is drawn."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fig = Figure(figsize=(10, 3.9), dpi=100)
+    axes = fig.subplots(1, len(world_sizes), sharey=True)
+    line = _between(sizes, 80)
+    for ax, n in zip(axes, world_sizes, strict=True):
+        for algorithm in ALGORITHMS:
+            if algorithm == "recursive doubling" and n & (n - 1):
+                continue
+            _, style = STYLES[algorithm]
+            ax.plot(line, [model.predict(algorithm, n, s) * 1e3 for s in line], style,
+                    color=GREYS[algorithm], lw=1.6 if algorithm == "ring" else 1.3)
+        cross = crossover(model, n)
+        if cross < sizes[1]:
+            ax.axvline(cross, color="#000000", lw=0.8, ls=(0, (1, 2)))
+            ax.annotate(f"ring fastest\nabove {_bytes_text(cross)}", (cross, 0.97),
+                        xycoords=("data", "axes fraction"), xytext=(4, 0),
+                        textcoords="offset points", va="top", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks([1 << 10, 1 << 20, 1 << 30], ["1 KiB", "1 MiB", "1 GiB"])
+        ax.set_xlabel("message size")
+        ax.set_title(f"n = {n} ranks", fontsize=10, loc="left")
+        ax.grid(True, which="major", alpha=0.25)
+    axes[0].set_ylabel("predicted time (ms)")
+    handles = [Line2D([], [], ls=STYLES[a][1], color=GREYS[a], lw=1.3, label=a)
+               for a in ALGORITHMS]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False,
+               fontsize=9, handlelength=2.5)
+    if title:
+        fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
+def _bytes_text(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.3g} B"

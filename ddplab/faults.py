@@ -112,8 +112,15 @@ def short(f: RankFailure, limit: int = 48) -> str:
         return "died: " + f.message.removeprefix("was ").removeprefix("killed by ")
     for pattern, words in _VERDICTS:
         if found := pattern.search(f.message):
-            return f"{f.type}: {found.expand(words)}"
-    return f"{f.type}: {tidy(f.message, limit)}"
+            return f"{_raised(f)}: {found.expand(words)}"
+    return f"{_raised(f)}: {tidy(f.message, limit)}"
+
+
+def _raised(f: RankFailure) -> str:
+    """"error" for the RuntimeError that torch raises for every failed collective (the
+    table's footnote says so: the type on every cell would only widen the table), the type's
+    own name for anything else."""
+    return "error" if f.type == "RuntimeError" else f.type
 
 
 def _stuck(s: Stuck) -> str:
@@ -155,19 +162,21 @@ def answers(world_size: int) -> tuple[str, str]:
 
 
 def table(trials: list[Trial]) -> str:
-    """The trials as a text table: one row per fault, one column per rank (victim starred)."""
+    """The trials as a text table: one row per fault, by its short name (`FAULTS` says what
+    each one does), one column per rank (the victim starred). Short names keep the table
+    narrow enough for a notebook's column."""
     if not trials:
         return ""
     ranks = sorted(trials[0].seen)
-    header = ["the victim…"] + [f"rank {r}" for r in ranks]
+    header = ["fault"] + [f"rank {r}" for r in ranks]
     rows = []
     for t in trials:
-        what = FAULTS.get(t.fault, "makes no mistake") if t.fault else "makes no mistake"
-        rows.append([what] + [t.seen[r] + (" *" if r == t.victim and t.fault else "")
-                              for r in ranks])
+        rows.append([t.fault or "none"] + [t.seen[r] + (" *" if r == t.victim and t.fault
+                                                       else "") for r in ranks])
     right, maxed = answers(len(ranks))
     return (format_table(rows, header=header, rule=True)
-            + f"\n(* the victim. SUM, the right answer: {right}; MAX on every rank: {maxed})")
+            + "\n(* the victim; error: the rank raised a RuntimeError)"
+            + f"\n(SUM, the right answer: {right}; MAX on every rank: {maxed})")
 
 
 # TORCH_DISTRIBUTED_DEBUG=DETAIL names a mismatch in one long sentence per rank:

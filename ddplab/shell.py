@@ -113,7 +113,7 @@ class Shell:
                 done = {name: future.result() for name, future in futures.items()}
         except BaseException:
             for _, process in started.values():
-                _stop_group(process)
+                stop_group(process)
             raise
         for name, result in done.items() if show else ():
             print(f"--- {name}")
@@ -163,7 +163,7 @@ class Shell:
         try:
             out, err = process.communicate(timeout=timeout)
         except BaseException:
-            _stop_group(process)
+            stop_group(process)
             raise
         return Done(command, process.returncode, out, err)
 
@@ -211,7 +211,7 @@ def fold_exit_barrier_race(text: str) -> str:
     return "".join(kept)
 
 
-def _stop_group(process: subprocess.Popen) -> None:
+def stop_group(process: subprocess.Popen) -> None:
     """Stop a command and everything it started: SIGTERM first (a launcher passes it on to
     its workers), a grace period, then SIGKILL to whatever is left.
 

@@ -127,3 +127,14 @@ def test_python_m_ddplab_bench_runs_under_torchrun_and_rank_0_prints(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("# all_gather") == 1  # rank 0 only
     assert done.stdout.startswith("# gloo, 2 ranks, CPU ")
+
+
+def test_the_table_keeps_three_significant_digits_and_the_median_is_a_choice():
+    slow = bench.Result("all_reduce", 1024, 256, "float32", 2, 2.4155e-3)
+    assert bench.table([slow]).split()[-3:] == ["2416", "0.000424", "0.000424"]  # not 0.000
+    with Pool(2, timeout=60) as pool:
+        results = pool.run(bench.sweep, ["all_reduce"], [1024], iters=3, warmup=1,
+                           statistic="median")
+        with pytest.raises(Exception, match="statistic 'mode'"):
+            pool.run(bench.measure, "all_reduce", 1024, statistic="mode")
+    assert results[0] == results[1] and results[0][0].seconds > 0

@@ -62,3 +62,26 @@ def test_the_pictures_draw_the_model_as_a_line_through_the_measurements():
                                                 "gloo": [(8, 1e-3), (1 << 20, 1e-3)]})
     labels = [line.get_label() for line in fig.axes[0].lines]
     assert labels == ["ring: measured", "ring: predicted", "gloo: measured"]  # no model of gloo
+
+
+def test_the_crossover_is_where_the_ring_and_recursive_doubling_take_equal_time():
+    model = Model(alpha=5e-6, beta=1 / 25e9)
+    assert costmodel.crossover(model, 2) == math.inf  # same bytes, the ring pays one α more
+    for n in (4, 8, 64):
+        cross = costmodel.crossover(model, n)
+        assert model.predict("ring", n, cross) == pytest.approx(
+            model.predict("recursive doubling", n, cross))
+    assert costmodel.crossover(Model(1.0, 1.0), 4) == pytest.approx(8.0)  # in units of α/β
+    fig = costmodel.plot_model(model, [4, 8, 64])
+    assert [ax.get_title(loc="left") for ax in fig.axes] == [f"n = {n} ranks" for n in (4, 8, 64)]
+
+
+def test_a_swap_and_interleaved_timings_give_every_rank_the_same_times():
+    with Pool(2, timeout=60) as pool:
+        swaps = pool.run(costmodel.exchange, [8, 1 << 16], iters=3, warmup=1)
+        timed = pool.run(costmodel.time_all_reduces, ["ring", "gloo"], [1024, 1 << 14],
+                         rounds=3, warmup=1)
+    assert swaps[0] == swaps[1] and all(t > 0 for t in swaps[0])
+    assert timed[0] == timed[1]
+    assert [size for size, _ in timed[0]["ring"]] == [1024, 1 << 14]
+    assert all(t > 0 for rows in timed[0].values() for _, t in rows)

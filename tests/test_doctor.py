@@ -243,6 +243,26 @@ def test_compare_with_docs_reports_only_probed_disagreements():
     ]
 
 
+def test_only_probed_columns_are_shown_and_the_rest_named_with_the_reason():
+    by_name = {op.name: op for op in OPS}
+    ops = [by_name[name] for name in ("send/recv", "broadcast")]
+    cpu, gpu, nccl, mpi = (Column("gloo", "cpu"), Column("gloo", "cuda"), Column("nccl", "cuda"),
+                           Column("mpi", "cpu"))
+    matrix = SupportMatrix(ops, [cpu, gpu, nccl, mpi], world_size=2, timeout=5.0)
+    for op in ops:
+        matrix.cells[op.name, str(cpu)] = Cell(WORKS)
+        matrix.cells[op.name, str(gpu)] = Cell(SKIPPED, "no GPU")
+        matrix.cells[op.name, str(nccl)] = Cell(SKIPPED, "no GPU")
+        matrix.cells[op.name, str(mpi)] = Cell(SKIPPED, "built without MPI")
+    short = matrix.render(only_probed=True)
+    assert "gloo/cpu" in short.splitlines()[2] and "cuda" not in short.splitlines()[2]
+    assert "– not probed" not in short and "[1]" not in short
+    assert short.splitlines()[-3:] == ["Not probed:", "  gloo/cuda and nccl/cuda (no GPU)",
+                                       "  mpi/cpu (built without MPI)"]
+    assert str(matrix) == matrix.render() != short  # what `ddplab doctor` prints is unchanged
+    assert "nccl/cuda" in str(matrix).splitlines()[2]
+
+
 def test_tidy_message_keeps_the_first_line_without_paths_or_ports():
     raw = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
            "peer [127.0.0.1]:29500 (see /usr/lib/python3/site-packages/torch/x.py)\n"

@@ -361,37 +361,59 @@ def _busbw_gib(op, nbytes, seconds, world_size):
     return nbytes / seconds / 2**30 * factor
 
 
-def _buckets_strictly_over(sizes, first_cap, cap):
-    """8.3, wrong: closes a bucket only once it holds more than its cap."""
+def _buckets(sizes, first_cap, cap, *, strictly=False):
     buckets, current, held = [], [], 0
     for position, size in enumerate(sizes):
         current.append(position)
         held += size
-        if held > (first_cap if not buckets else cap):
+        if (held > (first_cap if not buckets else cap)) if strictly else \
+                (held >= (first_cap if not buckets else cap)):
             buckets.append(current)
             current, held = [], 0
     return [*buckets, current] if current else buckets
 
 
-def _buckets_one_cap(sizes, first_cap, cap):
+def _buckets_strictly_over(sizes, bucket_cap_mb=None):
+    """8.3, wrong: closes a bucket only once it holds more than its cap."""
+    cap = (25 if bucket_cap_mb is None else bucket_cap_mb) * 2**20
+    return _buckets(sizes, 2**20 if bucket_cap_mb is None else cap, cap, strictly=True)
+
+
+def _buckets_one_cap(sizes, bucket_cap_mb=None):
     """8.3, wrong: forgets the small first bucket (the right walk, with `cap` for both)."""
-    return _buckets_strictly_over([max(size, 0) for size in sizes], cap - 1, cap - 1)
+    cap = (25 if bucket_cap_mb is None else bucket_cap_mb) * 2**20
+    return _buckets(sizes, cap, cap)
 
 
-def _summing_hook(state, bucket):
-    """8.4, wrong: all-reduces but never divides."""
+def _buckets_first_always_small(sizes, bucket_cap_mb=None):
+    """8.3, wrong: keeps the 1 MiB first bucket also when bucket_cap_mb is passed."""
+    return _buckets(sizes, 2**20, (25 if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
+
+
+def _averaging_hook(state, bucket):
+    """8.4, wrong: DDP's own average, in float32: right gradients, but no bytes saved."""
     import torch.distributed as dist
 
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(
-        lambda f: f.value()[0])
+        lambda f: f.value()[0].div_(dist.get_world_size()))
+
+
+def _summing_hook(state, bucket):
+    """8.4, wrong: all-reduces float16 but never divides."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    future = dist.all_reduce(buffer.half(), async_op=True).get_future()
+    return future.then(lambda f: buffer.copy_(f.value()[0]))
 
 
 def _tensor_hook(state, bucket):
     """8.4, wrong: waits for the all-reduce and returns a tensor, not a future."""
     import torch.distributed as dist
 
-    dist.all_reduce(bucket.buffer())
-    return bucket.buffer() / dist.get_world_size()
+    half = bucket.buffer().half()
+    dist.all_reduce(half)
+    return half / dist.get_world_size()
 
 
 def test_exercise_8_1_accepts_a_chunked_ring_built_from_batch_isend_irecv():
@@ -413,12 +435,16 @@ CHAPTER_8 = [
      "4.194 GB/s, which is algbw", "which share had to come in"),
     ("8.2", _busbw_gib, "busbw('all_reduce', 67108864, 0.0125, 4) returned 7.5 GB/s", "10⁹"),
     ("8.3", _buckets_strictly_over, "for a last layer of exactly 0.5 MiB", "at least its cap"),
-    ("8.3", _buckets_one_cap, "for five linear layers, default caps", "first_cap for the "
-     "first bucket"),
-    ("8.4", _summing_hook, "on rank 0, iteration 1, your gradients are 2× DDP's",
-     "dist.get_world_size()"),
+    ("8.3", _buckets_one_cap, "for five linear layers, bucket_cap_mb not passed", "what does "
+     "DDP give the first bucket"),
+    ("8.3", _buckets_first_always_small, "for five linear layers, bucket_cap_mb=0.5",
+     "what does DDP give the first bucket"),
+    ("8.4", _averaging_hook, "your hook all-reduced float32: 4 bytes per gradient",
+     "float16 copy"),
+    ("8.4", _summing_hook, "on rank 0, iteration 1, your gradients are 2× those of "
+     "fp16_compress_hook", "dist.get_world_size()"),
     ("8.4", _tensor_hook, "your hook returned a Tensor", ".then(...)"),
-    ("8.4", lambda s, b: None, "your hook's parameters are (s, b)", "def averaging_hook"),
+    ("8.4", lambda s, b: None, "your hook's parameters are (s, b)", "def fp16_hook"),
 ]
 
 
@@ -550,6 +576,22 @@ def _all_gather_itself(t):
     return out
 
 
+def _one_broadcast(t):
+    """4.2, wrong: one broadcast from rank 0, as if it brought everyone's tensor."""
+    import torch.distributed as dist
+
+    buffer = t.clone()
+    dist.broadcast(buffer, src=0)
+    return [buffer]
+
+
+def _own_piece_only(t):
+    """4.3, wrong: no communication at all, each rank keeps piece r of its own t."""
+    import torch.distributed as dist
+
+    return t.chunk(dist.get_world_size())[dist.get_rank()].clone()
+
+
 def _whole_sum(t):
     """4.3, wrong: every rank keeps the whole sum, not its piece."""
     import torch.distributed as dist
@@ -591,12 +633,16 @@ CHAPTER_4A = [
      "item k of the list must be the tensor broadcast by rank k"),
     ("4.2", _all_gather_itself, "the result is right, but with 3 ranks rank 0 called "
      "dist.all_gather", "broadcast shares one rank's tensor"),
+    ("4.2", _one_broadcast, "with 3 ranks (int64 tensors), rank 0 returned [",
+     "let each rank have its turn as the source"),
+    ("4.3", _own_piece_only, "with 2 ranks (int64 tensors of 6 values), rank 0 returned",
+     "that is piece r of your own t only"),
     ("4.3", _whole_sum, "with 2 ranks (int64 tensors of 6 values), rank 0 returned",
      "return only your piece"),
     ("4.3", _sum_in_place, "with 2 ranks (int64 tensors of 6 values), rank 0's tensor t was "
      "changed", "give them a copy"),
     ("4.3", _reduce_scatter_itself, "the result is right, but with 2 ranks rank 0 called "
-     "dist.reduce_scatter", "rank r's answer is piece r"),
+     "dist.reduce_scatter", "which of the two moves less data"),
 ]
 
 
@@ -690,10 +736,100 @@ CHAPTER_5 = [
      "evaluate only this rank's share"),
     ("5.3", _accumulate_syncing_every_time, "with 2 ranks, 3 micro-batches of 8 digits each, "
      "the gradients are right, but DDP made 3 synchronizations",
-     "inside `with ddp_model.no_sync():`"),
+     "a context manager that skips the all-reduce"),
     ("5.2", _count_own_share_only, "with 3 ranks and 1,001 test digits, the ranks returned "
      "different pairs", "add up every rank's counts with a collective"),
 ]
+
+
+
+# --- exercise 5.4: the learner's own script under torchrun ---
+# Each row is the solution's script with one typical mistake made in it (text replaced),
+# how the verdict starts, and what its hint says. Every row runs torchrun and trains for
+# real (10 to 30 s each); the reference run of ddplab.train is made once per session.
+
+def _solution_script() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "ch05.py"
+    spec = importlib.util.spec_from_file_location("solutions_ch05", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DDP_SCRIPT
+
+
+def _mistake(*changes: tuple[str, str]) -> str:
+    script = _solution_script()
+    for old, new in changes:
+        assert old in script, old
+        script = script.replace(old, new)
+    return script
+
+
+SET_EPOCH = "        sampler.set_epoch(epoch)"
+SAMPLER = "    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)\n"
+LOADER = "DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)"
+SAVE = "    if rank == 0:                            # one rank writes"
+SCRIPT_MISTAKES = {
+    "forgets set_epoch": ([(SET_EPOCH, "        pass")],
+                          "rank 0 never called set_epoch: its sampler shuffled every epoch "
+                          "alike (epochs [0, 0])", "sampler.set_epoch(epoch)"),
+    "no sampler": ([(SAMPLER, ""), (LOADER, "DataLoader(dataset, batch_size=BATCH_SIZE, "
+                    "shuffle=True)"), (SET_EPOCH, "        pass")],
+                   "rank 0 used no DistributedSampler: its DataLoader (shuffle=True) shuffled "
+                   "all 8,004 digits on its own", "a DistributedSampler over the dataset"),
+    "another lr": ([("LR, SEED = 2, 32, 2e-3, 0", "LR, SEED = 2, 32, 1e-3, 0")],
+                   "rank 0's Adam has lr=0.001 (ddplab.train: 0.002)", "lr=2e-3"),
+    "another sampler seed": ([("shuffle=True, seed=SEED)", "shuffle=True, seed=42)")],
+                             "rank 0's DistributedSampler has seed=42, ddplab.train's 0",
+                             "the config's seed"),
+    "saves on every rank": ([(SAVE, "    if True:  # every rank writes")],
+                            "rank 1 saved a checkpoint too", "save on rank 0 only"),
+    "the module. prefix": ([('"model": model.module.state_dict()', '"model": model.state_dict()')],
+                           "the checkpoint's weights are named 'module.conv1.weight'",
+                           "model.module.state_dict()"),
+    "no destroy": ([("    dist.destroy_process_group()\n", "")],
+                   "the weights are ddplab.train's, bit for bit, but rank 0 never called "
+                   "destroy_process_group", "dist.destroy_process_group()"),
+    "crashes": ([("            optimizer.step()", "            optimiser.step()")],
+                "your script crashed on every rank with NameError: name 'optimiser' is not defined",
+                "the first is the cause"),
+    "hangs": ([("    for epoch in range(EPOCHS):", "    if rank == 0:\n"
+                "        dist.recv(torch.zeros(1), src=1)   # rank 1 never sends\n"
+                "    for epoch in range(EPOCHS):")],
+              "your script did not finish within 60 s under torchrun", "inside `if rank == 0:`"),
+}
+
+
+@pytest.mark.launchers
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", sorted(SCRIPT_MISTAKES))
+def test_each_wrong_ddp_script_gets_its_own_verdict(mistake, monkeypatch):
+    from ddplab.exercises import ch05
+
+    changes, message, hint = SCRIPT_MISTAKES[mistake]
+    if mistake == "hangs":  # no need to wait the full timeout
+        monkeypatch.setattr(ch05, "SCRIPT_TIMEOUT", 60.0)
+    runs, torchrun = [], ch05._torchrun
+    monkeypatch.setattr(ch05, "_torchrun", lambda *args: runs.append(torchrun(*args))
+                        or runs[-1])
+    feedback = check("5.4", _mistake(*changes))
+    assert not feedback.passed
+    assert feedback.message.startswith(message), feedback.message
+    assert hint in feedback.hint, feedback.hint
+    if mistake == "hangs":  # each rank's place, read from its stack
+        assert "rank 0 at line 30 of your script (dist.recv(torch.zeros(1), src=1)" \
+            in feedback.message, feedback.message
+    if mistake == "crashes":  # the traceback's tail, from the script's line on
+        assert "optimiser.step()" in feedback.message, feedback.message
+    import psutil
+
+    for run in runs:  # nothing the check started outlives it
+        for rank, events in run.traces.items():
+            pid = events[0]["pid"]
+            assert not psutil.pid_exists(pid) or \
+                psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, (rank, pid)
 
 
 # --- chapter 6: typical wrong attempts and the verdict each gets ---

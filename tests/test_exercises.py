@@ -37,7 +37,13 @@ def test_each_chapter_so_far_has_at_least_two_exercises():
         assert sum(ex.startswith(f"{chapter}.") for ex in EXERCISES) >= 2, chapter
 
 
-@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def _marked(ids) -> list:
+    """Exercise ids, those whose check runs a script under torchrun marked as launchers."""
+    return [pytest.param(i, marks=pytest.mark.launchers) if EXERCISES[i].takes == "script"
+            else i for i in ids]
+
+
+@pytest.mark.parametrize("exercise_id", _marked(sorted(EXERCISES)))
 def test_the_solution_passes(exercise_id):
     feedback = check(exercise_id, solution(exercise_id))
     assert isinstance(feedback, Feedback)
@@ -51,10 +57,12 @@ def _exercise_cells() -> dict[str, dict]:
 
     cells = {}
     for path in sorted(SOLUTIONS.parent.glob("[0-9]*.ipynb")):
+        before = None
         for cell in nbformat.read(path, as_version=4).cells:
             found = re.search(r'^check\("(\d+\.\d+)"', cell.source, re.MULTILINE)
             if cell.cell_type == "code" and found:
-                cells[found.group(1)] = cell
+                cells[found.group(1)] = (cell, before)
+            before = cell
     return cells
 
 
@@ -63,8 +71,10 @@ def test_each_chapter_checks_its_empty_attempt_and_shows_the_reason_and_the_hint
     """The chapters run each check on the learner's still-empty function; nbval re-runs them
     and compares the verdict, so here it is enough that the committed one is a failure with
     a reason and a hint (running every check again here would double its cost)."""
-    cell = _exercise_cells()[exercise_id]
-    assert re.search(r"^    \.\.\.$", cell.source, re.MULTILINE)  # the body left to write
+    cell, before = _exercise_cells()[exercise_id]
+    # The body left to write: in the cell, or for a script in the %%writefile cell before it.
+    written = before.source if EXERCISES[exercise_id].takes == "script" else cell.source
+    assert re.search(r"^    \.\.\.$", written, re.MULTILINE)
     (output,) = [o for o in cell.outputs if o.output_type == "execute_result"]
     verdict = output.data["text/plain"]
     assert verdict.startswith(f"✗ Exercise {exercise_id} not yet:")
@@ -82,6 +92,11 @@ def test_check_explains_misuse():
     assert "without calling it" in check(sorted(EXERCISES)[0], 42).hint
     with pytest.raises(KeyError, match=r"no exercise '9\.9'"):
         check("9.9", empty_attempt)
+    # A script exercise takes the script's path: said before anything runs.
+    assert "needs the path of your script" in check("5.4", empty_attempt).message
+    assert "not a Python file" in check("5.4", "notes.txt").message
+    assert "there is no file" in check("5.4", "scratch/not_written_yet.py").message
+    assert "does not compile" in check("5.4", "def main(:\n    ...\n").message
 
 
 def _reduces_on_rank_0_only(t):

@@ -42,7 +42,7 @@ def test_detail_names_the_mismatch_with_sequence_numbers():
         skip = faults.attempt(p, "skip", timeout=5)
         shape = faults.attempt(p, "shape", timeout=5)
         op = faults.attempt(p, "op", timeout=5)
-    assert all(text.startswith("RuntimeError: mismatch detected")
+    assert all(text.startswith("error: mismatch detected")
                for text in skip.seen.values())
     prints = faults.fingerprints(skip.error)
     assert [(f.rank, f.op) for f in prints][:2] == [(0, "ALLREDUCE"), (1, "BROADCAST")]

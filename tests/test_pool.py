@@ -668,3 +668,13 @@ def test_different_failures_keep_their_own_tracebacks(pool):
         assert f"(rank {shown}'s traceback; the others differ only in their rank number)" \
             in text
     assert err.failures[2].message == "rank 2 is unhappy"  # the structured data is intact
+
+
+def test_a_crash_report_leaves_out_the_list_of_extension_modules():
+    """CPython's fatal-error report ends with the extension modules loaded, a list that
+    depends on the install (a CUDA build of torch adds cuda.bindings): the kit leaves it out."""
+    from ddplab.pool.kernel.output import _tidy
+
+    report = ("Fatal Python error: Aborted\n\n\nExtension modules: numpy._core._multiarray_umath, "
+              "torch._C, cuda.bindings.driver (total: 3)\n\n")
+    assert _tidy(report) == "Fatal Python error: Aborted\n\n\n"

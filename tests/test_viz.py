@@ -656,3 +656,30 @@ def test_show_leftover_draws_each_reader_arrow_to_a_dead_writers_note_within_the
         viz.show_leftover(notes, [(0, "address/9")])
     with pytest.raises(ValueError, match="distinct keys"):
         viz.show_leftover(notes + notes[:1], reads)
+
+
+
+def test_show_deal_pads_the_shuffled_list_and_deals_it_round_robin():
+    # 5 samples on 2 ranks: padded to 6 with the list's first index, position p to rank p % 2.
+    fig = viz.show_deal([3, 0, 4, 1, 2], 2)
+    assert [t for t in texts(fig) if t.startswith("p=")] == [f"p={p}" for p in range(6)]
+    assert cell_at(fig, "3", nth=1) == colour_of(0)  # the padded row: 3 at position 0
+    assert cell_at(fig, "0", nth=1) == colour_of(1)  # 0 at position 1
+    assert cell_at(fig, "3", nth=2) == colour_of(1)  # 3 again, at position 5
+    assert viz.screen_size(fig)[0] <= 1000
+    with pytest.raises(ValueError, match="at least one index"):
+        viz.show_deal([], 2)
+
+
+def test_show_ddp_step_starts_a_buckets_all_reduce_once_its_last_gradient_is_ready():
+    layers = ["conv1", "conv2", "fc1", "fc2"]
+    fig = viz.show_ddp_step(layers, [["fc2", "fc1"], ["conv2", "conv1"]], world_size=2)
+    found = texts(fig)
+    assert found.count("all-reduce b0") == 2 and found.count("all-reduce b1") == 2  # each rank
+    assert found.count("∇conv1") == 2 and found.count("update") == 2
+    assert viz.screen_size(fig)[0] <= 1000
+    x = {t.get_text(): t.get_position()[0] for t in fig.axes[0].texts}
+    assert x["∇fc1"] < x["all-reduce b0"] < x["∇conv1"]  # overlaps the rest of backward
+    assert x["all-reduce b1"] < x["update"]               # the step waits for the last one
+    with pytest.raises(ValueError, match="not in `layers`"):
+        viz.show_ddp_step(layers, [["fc3"]])

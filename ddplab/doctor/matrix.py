@@ -117,7 +117,10 @@ class SupportMatrix:
         for op in self.ops:
             self.cells[op.name, str(column)] = Cell(SKIPPED, reason)
 
-    def render(self) -> str:
+    def render(self, only_probed: bool = False) -> str:
+        """The table, its legend and notes. `only_probed=True` leaves out the columns where
+        nothing was probed (no GPU, a backend torch lacks) and names them under it, with
+        the reason: on a CPU-only machine, three columns of "–" say nothing more."""
         notes: dict[str, int] = {}
 
         def label(cell: Cell) -> str:
@@ -125,14 +128,38 @@ class SupportMatrix:
                 return cell.mark
             return f"{cell.mark} [{notes.setdefault(cell.note, len(notes) + 1)}]"
 
-        header = ["operation", *map(str, self.columns)]
-        body = [[op.name, *(label(self[op.name, column]) for column in self.columns)]
+        columns, skipped = self.columns, []
+        if only_probed:
+            columns = [c for c in self.columns if any(self[op.name, c].probed for op in self.ops)]
+            skipped = [c for c in self.columns if c not in columns]
+        header = ["operation", *map(str, columns)]
+        body = [[op.name, *(label(self[op.name, column]) for column in columns)]
                 for op in self.ops]
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+        legend = LEGEND
+        if only_probed:  # the legend names only the marks the table shows
+            if not any(not self[op.name, c].probed for op in self.ops for c in columns):
+                legend = legend.replace("   – not probed", "")
+            if not notes:
+                legend = legend.replace("   [n] see note n", "")
         lines = [f"Probed live: {ranks} per column, {self.timeout:g} s per call.", "",
-                 format_table(body, header=header, rule=True), "", LEGEND]
+                 format_table(body, header=header, rule=True), "", legend]
         lines += [f"[{number}] {text}" for text, number in notes.items()]
-        lines += list(self.ran_with.values())
+        if skipped:
+            lines += ["Not probed:", *(f"  {why}" for why in self._why_not(skipped))]
+        shown = set(map(str, columns))
+        lines += [how for column, how in self.ran_with.items() if column in shown]
         return "\n".join(lines)
+
+    def _why_not(self, columns: list[Column]) -> list[str]:
+        """['gloo/cuda and nccl/cuda (no GPU: ...)', 'mpi/cpu (built without MPI)']: the columns
+        grouped by the reason they were skipped, in the matrix's order."""
+        by_reason: dict[str, list[str]] = {}
+        for column in columns:
+            reasons = {self[op.name, column].detail for op in self.ops}
+            reason = reasons.pop() if len(reasons) == 1 else ""
+            by_reason.setdefault(reason, []).append(str(column))
+        return [" and ".join(names) + (f" ({reason})" if reason else "")
+                for reason, names in by_reason.items()]
 
     __str__ = __repr__ = render

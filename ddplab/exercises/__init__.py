@@ -18,6 +18,7 @@ test suite proves every solution passes its check and an empty attempt does not.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -63,16 +64,21 @@ class Exercise:
     solution: str  # the function's name in notebooks/solutions/chNN.py
     checker: Callable[[Callable], str]  # returns the success message, or raises NotYet
     hint: str = ""  # shown when the attempt fails without a more specific hint
+    takes: str = "function"  # or "script": the path of a .py file the check runs itself
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
-def exercise(id: str, title: str, solution: str, hint: str = ""):
-    """Register a checker: `checker(attempt) -> success message`, raising NotYet if wrong."""
+def exercise(id: str, title: str, solution: str, hint: str = "", takes: str = "function"):
+    """Register a checker: `checker(attempt) -> success message`, raising NotYet if wrong.
+
+    With `takes="script"` the attempt is a script (the path of a .py file, or its text)
+    that the checker runs in processes of its own, not a function.
+    """
 
     def register(checker: Callable[[Callable], str]) -> Callable[[Callable], str]:
-        EXERCISES[id] = Exercise(id, title, solution, checker, hint)
+        EXERCISES[id] = Exercise(id, title, solution, checker, hint, takes)
         return checker
 
     return register
@@ -90,11 +96,18 @@ def check(id: str, attempt: Callable) -> Feedback:
     if id not in EXERCISES:
         raise KeyError(f"no exercise {id!r}; the exercises are {', '.join(sorted(EXERCISES))}")
     ex = EXERCISES[id]
-    if not callable(attempt):
+    if ex.takes == "script":
+        if not isinstance(attempt, (str, os.PathLike)):
+            return Feedback(id, False, f"check({id!r}, ...) needs the path of your script (a "
+                                       f"str or a Path), not {type(attempt).__name__}.",
+                            "pass the path you wrote the script to with %%writefile.")
+        ours = True  # the script runs in processes of the check's own: an error here is the check's
+    elif not callable(attempt):
         return Feedback(id, False, f"check({id!r}, ...) needs your function itself, not "
                                    f"{type(attempt).__name__} {attempt!r}.",
                         "pass the function's name without calling it: no parentheses.")
-    ours = _is_users(attempt)  # a library function as the attempt: its errors are the learner's
+    else:
+        ours = _is_users(attempt)  # a library function as the attempt: its errors are the learner's
     try:
         return Feedback(id, True, ex.checker(attempt))
     except NotYet as no:

@@ -121,7 +121,8 @@ def check_global_max(attempt: Callable) -> str:
                     expect(isinstance(value, (tuple, list)) and len(value) == 2,
                            f"{where}, rank {rank} returned {show(value)}; expected the "
                            f"pair (value, rank) = {want} on every rank.",
-                           "return a pair: `return value, owner`.")
+                           "" if value is None  # the untouched stub: the exercise's hint
+                           else "return a pair: `return value, owner`.")
                     v, o = _scalar(value[0]), _scalar(value[1])
                     expect(v is not None and o is not None,
                            f"{where}, rank {rank} returned {show(value)}; expected two "
@@ -157,9 +158,9 @@ GATHER_CASES = {
 
 
 @exercise("4.2", "all_gather built from broadcasts", solution="all_gather_by_broadcast",
-          hint="every rank has something to share, and broadcast shares one rank's tensor "
-               "with all the others. Let each rank have its turn as the source, and give "
-               "every turn a buffer of its own.")
+          hint="every rank must end with world_size tensors shaped like t: its own and one "
+               "from each other rank. What does dist.broadcast(buf, src=k) leave in buf, on "
+               "rank k and on the others?")
 def check_all_gather_by_broadcast(attempt: Callable) -> str:
     for world_size, cases in GATHER_CASES.items():
         with ranks(world_size) as pool:
@@ -175,10 +176,14 @@ def check_all_gather_by_broadcast(attempt: Callable) -> str:
                            "broadcast writes into its tensor on the receiving ranks: receive "
                            "into new buffers, and broadcast t itself only when it is your "
                            "turn to send.")
+                    short = isinstance(value, (list, tuple)) and 0 < len(value) < world_size
                     expect(isinstance(value, (list, tuple)) and len(value) == world_size,
                            f"{where}, rank {rank} returned {show(value)}; expected a list "
                            f"of {world_size} tensors, one per rank in rank order (its own "
-                           "included).")
+                           "included).",
+                           "one broadcast brings one rank's tensor to all the others, so a "
+                           f"list of {world_size} takes {world_size} broadcasts: let each rank "
+                           "have its turn as the source." if short else "")
                     shared = len({id(item) for item in value}) < len(value)
                     for r, (item, want) in enumerate(zip(value, tensors, strict=True)):
                         others = [k for k, other in enumerate(tensors) if _same(item, other)]
@@ -195,7 +200,9 @@ def check_all_gather_by_broadcast(attempt: Callable) -> str:
                 for calls in watched:
                     calls.pop("broadcast", None)
                 _forbidden_used([(None, calls, True) for calls in watched], world_size,
-                                GATHER_RULE, "")
+                                GATHER_RULE, "broadcast shares one rank's tensor with all the "
+                                "others: how many broadcasts make the whole list, and which rank "
+                                "is the source of each?")
                 expect(all(calls.get("broadcast") for _, calls, _ in got),
                        f"the result is right, but with {world_size} ranks some ranks never "
                        f"called dist.broadcast; the rule: {GATHER_RULE}.",
@@ -208,6 +215,8 @@ def check_all_gather_by_broadcast(attempt: Callable) -> str:
 
 SCATTER_RULE = "any collective but dist.reduce_scatter in any form"
 SCATTER_FORBIDDEN = ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor")
+SCATTER_ROUTES = ("all_reduce", "all_to_all", "all_to_all_single")
+"""Watched too, not ruled out: the verdict of a passing attempt says what its route costs."""
 SCATTER_CASES = {
     2: [("int64", [[3, -1, 4, 1, 5, 9], [2, 6, -5, 3, 5, 8]])],
     3: [("float32", [[0.5, 2.0, -1.0, 4.0, 3.5, 0.0], [1.0, -2.5, 6.0, 0.5, 1.0, 2.0],
@@ -216,26 +225,35 @@ SCATTER_CASES = {
 
 
 @exercise("4.3", "reduce_scatter by hand", solution="reduce_scatter_by_hand",
-          hint="rank r's answer is piece r of the sum of every rank's t. Which collective of "
-               "this chapter gives every rank the whole sum? Or: which one brings piece r of "
-               "every rank's t to rank r, where you can add the pieces up yourself?")
+          hint="write down what rank r returns: value i of it is the sum, over every rank, of "
+               "value r * k + i of that rank's t. Which of those values does rank r hold "
+               "already, and which collective of this chapter could bring it the others (or "
+               "their sum)?")
 def check_reduce_scatter_by_hand(attempt: Callable) -> str:
     import torch
 
+    routes: set[str] = set()
     for world_size, cases in SCATTER_CASES.items():
         with ranks(world_size) as pool:
             for dtype, rows in cases:
                 tensors = _tensors(rows, dtype)
                 total = torch.stack(tensors).sum(0)
                 piece = total.numel() // world_size
-                got = _run(pool, _attempt_on_rank, attempt, tensors, SCATTER_FORBIDDEN)
+                got = _run(pool, _attempt_on_rank, attempt, tensors,
+                           SCATTER_FORBIDDEN + SCATTER_ROUTES)
                 where = f"with {world_size} ranks ({dtype} tensors of {total.numel()} values)"
                 for rank, (value, _, unchanged) in enumerate(got):
                     want = total[rank * piece:(rank + 1) * piece]
                     hint = ""
+                    own = tensors[rank][rank * piece:(rank + 1) * piece]
                     if isinstance(value, torch.Tensor) and value.numel() == total.numel():
                         hint = (f"return only your piece: {piece} values, piece `rank` of "
                                 "the sum.")
+                    elif _same(value, own):
+                        hint = ("that is piece r of your own t only: the other ranks' piece r "
+                                "must reach you too. all_to_all brings piece r of every rank's "
+                                "t to rank r, where you add them up; or all_reduce a copy of t "
+                                "and keep piece r.")
                     elif isinstance(value, torch.Tensor) and value.dtype != want.dtype:
                         hint = "keep the dtype of t."
                     expect(_same(value, want),
@@ -246,9 +264,21 @@ def check_reduce_scatter_by_hand(attempt: Callable) -> str:
                            "like dist.reduce_scatter, it must only produce its result.",
                            "collectives such as all_reduce work in place: give them a "
                            "copy (t.clone()), not t itself.")
-                _forbidden_used(got, world_size, SCATTER_RULE, "")
+                for _, calls, _ in got:
+                    routes.update(name.removesuffix("_single") for name in calls
+                                  if name in SCATTER_ROUTES)
+                got = [(value, {k: n for k, n in calls.items() if k in SCATTER_FORBIDDEN}, same)
+                       for value, calls, same in got]
+                _forbidden_used(got, world_size, SCATTER_RULE,
+                                "all_reduce can do it, and so can all_to_all: which of the two "
+                                "moves less data?")
+    cost = {"all_reduce": "all_reduce gave every rank the whole sum, of which it kept "
+                          "1/world_size",
+            "all_to_all": "all_to_all brought each rank only its piece of every rank's t, "
+                          "1/world_size of the data, and the adding was local"}
+    said = "; ".join(cost[name] for name in sorted(routes))
     return ("every rank got its piece of the sum, with 2 ranks (int64) and 3 ranks "
-            "(float32), without dist.reduce_scatter.")
+            "(float32), without dist.reduce_scatter." + (f" Your route: {said}." if said else ""))
 
 
 # --- 4.4 (chapter 4b) the mean of a metrics dict, in one all_reduce ---

@@ -106,9 +106,9 @@ def _mean_loss_on_rank(attempt: Callable) -> object:
 
 
 @exercise("7.2", "Log the mean loss on rank 0 without a deadlock", solution="mean_loss",
-          hint="a collective is a meeting: every rank must call it, even the ones that will "
-               "not print anything. Make the all_reduce (or a reduce to rank 0) on every "
-               "rank, and only then decide, by rank, what to return.")
+          hint="a collective is a meeting: every rank of the group must call it, the ones "
+               "that will print nothing too. Which lines of the broken version must every "
+               "rank run, and which only rank 0?")
 def check_mean_loss(mean_loss: Callable) -> str:
     for world_size in (2, 3):
         with ranks(world_size) as pool:
@@ -121,7 +121,9 @@ def check_mean_loss(mean_loss: Callable) -> str:
         expect(isinstance(got[0], (int, float)) and abs(got[0] - want) < 1e-6,
                f"with {world_size} ranks (losses {LOSSES[:world_size]}), rank 0 returned "
                f"{got[0]!r}; expected their mean, {want:g}.",
-               "sum the losses with a collective, then divide by the world size.")
+               "rank 0 can learn the other ranks' losses only through a collective, and a "
+               "collective completes only when every rank calls it, the ones that will "
+               "print nothing too.")
         extra = {r: v for r, v in enumerate(got) if r and v is not None}
         expect(not extra,
                f"with {world_size} ranks, the other ranks returned {extra}; only rank 0 logs, "
@@ -158,9 +160,11 @@ def _agree_on_rank(attempt: Callable) -> list:
 
 
 @exercise("7.3", "Catch replicas that silently diverged", solution="replicas_agree",
-          hint="every rank must learn every other rank's parameters, or enough about them to "
-               "tell any difference: gather them (all_gather of the flattened parameters), "
-               "then compare exactly. A sum of everything cannot see two values swapped.")
+          hint="two requirements decide the design. Every rank must return the same "
+               "verdict, so every rank must learn enough about every other rank's replica, "
+               "through collectives that all of them call. And the comparison must notice "
+               "any difference: one weight off by 1e-6, or two weights that trade places "
+               "(which a sum of all the parameters cannot see).")
 def check_replicas_agree(replicas_agree: Callable) -> str:
     with ranks(3) as pool:
         got = run_in_time(pool, _agree_on_rank, replicas_agree, deadline=DEADLINE,

@@ -5,8 +5,9 @@ and the busiest rank must send no more than the chunked ring's 2(n − 1)/n · S
 whole-tensor ring and the naive all-reduce, both correct, are told apart from the real
 thing. 8.2 asks for busbw factors the text does not give, each derived from what a rank
 holds before and after a collective, and held against `ddplab.bench`'s own. 8.3 holds the
-learner's predicted buckets against what a real DDP on two ranks reports, and 8.4 the
-gradients of the learner's communication hook against DDP's own all-reduce.
+learner's predicted buckets against what a real DDP on two ranks reports (the first bucket's
+cap is for the learner to find), and 8.4 a float16 compression hook written by hand against
+torch's own `fp16_compress_hook`: what it all-reduces, and the gradients it produces.
 """
 
 from __future__ import annotations
@@ -220,35 +221,69 @@ def rebuilt_buckets(name: str, bucket_cap_mb: float | None) -> tuple[list[int], 
 
 
 @functools.cache
-def _real_layouts() -> list[tuple[str, int, int, list[int], list[list[int]]]]:
-    """(case, first cap, cap, sizes, DDP's buckets) for each of BUCKET_CASES; made once."""
-    import torch.distributed as dist
-
+def _real_layouts() -> list[tuple[str, float | None, list[int], list[list[int]]]]:
+    """(case, bucket_cap_mb, sizes, DDP's buckets) for each of BUCKET_CASES; made once."""
     layouts = []
     with ranks(2) as pool:
         for description, name, cap_mb in BUCKET_CASES:
             sizes, buckets = pool.run(rebuilt_buckets, name, cap_mb, timeout=60)[0]
-            cap = int((25 if cap_mb is None else cap_mb) * 1024 * 1024)
-            first = dist._DEFAULT_FIRST_BUCKET_BYTES if cap_mb is None else cap
-            label = f"{description}, " + ("default caps" if cap_mb is None
+            label = f"{description}, " + ("bucket_cap_mb not passed" if cap_mb is None
                                           else f"bucket_cap_mb={cap_mb:g}")
-            layouts.append((label, first, cap, sizes, buckets))
+            layouts.append((label, cap_mb, sizes, buckets))
     return layouts
 
 
+def _walk(sizes: list[int], first_cap: float, cap: float, *,
+          strictly: bool = False) -> list[list[int]]:
+    """Buckets in ready order, each closed once it holds at least its cap (`strictly`: more
+    than its cap): the rule the chapter states, used here to recognise what an attempt got
+    wrong."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for position, size in enumerate(sizes):
+        current.append(position)
+        held += size
+        limit = first_cap if not buckets else cap
+        if held > limit or (held == limit and not strictly):
+            buckets.append(current)
+            current, held = [], 0
+    return [*buckets, current] if current else buckets
+
+
 @exercise("8.3", "Predict DDP's buckets", solution="predict_buckets",
-          hint="walk `sizes` in order, adding each position to the current bucket; once the "
-               "bucket holds at least its cap (first_cap for the first bucket, cap for every "
-               "later one), close it and start a new one. A last, unfinished bucket is a "
-               "bucket too.")
+          hint="walk `sizes` in ready order and close a bucket once it holds at least its "
+               "cap. Which cap does the *first* bucket get? Compare the default layout with "
+               "bucket_cap_mb=25 in the chapter: 25 MiB is the default cap in both, yet the "
+               "first buckets differ. bucket_cap_mb counts MiB (2²⁰ bytes).")
 def check_buckets(predict_buckets: Callable) -> str:
-    for label, first, cap, sizes, buckets in _real_layouts():
-        got = predict_buckets(list(sizes), first, cap)
-        expect(got == buckets,
-               f"for {label} (sizes {sizes}, first_cap {first}, cap {cap}) you predicted "
-               f"{show(got)}; DDP rebuilt {show(buckets)}.")
+    import torch.distributed as dist
+
+    mib = 1024 * 1024
+    for label, cap_mb, sizes, buckets in _real_layouts():
+        got = predict_buckets(list(sizes), cap_mb)
+        if got == buckets:
+            continue
+        call = f"for {label} (sizes {sizes})"
+        cap = (25 if cap_mb is None else cap_mb) * mib
+        first_cap = dist._DEFAULT_FIRST_BUCKET_BYTES if cap_mb is None else cap
+        expect(got != _walk(sizes, first_cap, cap, strictly=True),
+               f"{call} you predicted {show(got)}; DDP rebuilt {show(buckets)}.",
+               "a bucket closes once it holds at least its cap: a gradient that fills it "
+               "exactly closes it.")
+        wrong_first = {
+            "the default 1 MiB": _walk(sizes, dist._DEFAULT_FIRST_BUCKET_BYTES, cap),
+            "the same cap as the others": _walk(sizes, cap, cap)}
+        for first, layout in wrong_first.items():
+            expect(got != layout,
+                   f"{call} you predicted {show(got)}: the walk is right, but your first "
+                   f"bucket closed at {first}; DDP rebuilt {show(buckets)}.",
+                   "what does DDP give the first bucket when bucket_cap_mb is passed, and "
+                   "when it is not? The default layout and bucket_cap_mb=25 in the chapter "
+                   "tell the two apart.")
+        expect(False, f"{call} you predicted {show(got)}; DDP rebuilt {show(buckets)}.")
     return (f"your buckets match DDP's own in all {len(BUCKET_CASES)} cases, the 1 MiB first "
-            "bucket and the exact fit included.")
+            "bucket, an explicit cap and the exact fit included.")
 
 
 # --- 8.4 a communication hook of your own ---
@@ -267,58 +302,78 @@ def _first_ddp() -> None:
 
 
 def hooked_gradients(hook: Callable, iterations: int = 3) -> dict:
-    """On a rank: the same model's gradients with the learner's hook and with DDP's own
-    all-reduce, on the same batches. Returns, per iteration, (their largest difference, the
-    ratio of their norms), and what the hook returned when that was not a Future.
+    """On a rank: the same model's gradients with the learner's hook and with torch's own
+    `fp16_compress_hook`, on the same batches. Returns, per iteration, (their largest
+    difference, the ratio of their norms); the dtypes of what the hook all-reduced; and what
+    the hook returned when that was not a Future.
 
     Given None from a hook, DDP crashes the process (SIGSEGV, torch 2.13), so the hook is
     called through a guard that notes anything but a Future and all-reduces instead.
     """
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     returned: list[str] = []
+    sent: set[str] = set()
+    all_reduce = dist.all_reduce
+
+    def noted(tensor, *args, **kwargs):
+        sent.add(str(tensor.dtype).removeprefix("torch."))
+        return all_reduce(tensor, *args, **kwargs)
 
     def guarded(state, bucket):
-        result = hook(state, bucket)
+        dist.all_reduce = noted
+        try:
+            result = hook(state, bucket)
+        finally:
+            dist.all_reduce = all_reduce
         if isinstance(result, torch._C.Future):  # what get_future() and then() give
             return result
         returned.append("None" if result is None else f"a {type(result).__name__}")
-        future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-        return future.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+        return default_hooks.fp16_compress_hook(None, bucket)
 
-    mine, plain = (DDP(_model("mlp"), bucket_cap_mb=HOOK_CAP_MB) for _ in range(2))
+    mine, theirs = (DDP(_model("mlp"), bucket_cap_mb=HOOK_CAP_MB) for _ in range(2))
     mine.register_comm_hook(None, guarded)
+    theirs.register_comm_hook(None, default_hooks.fp16_compress_hook)
     torch.manual_seed(dist.get_rank())
     rows = []
     for _ in range(iterations):
         x = torch.randn(16, 256)
         grads = []
-        for model in (mine, plain):
+        for model in (mine, theirs):
             model.zero_grad(set_to_none=True)
             model(x).sum().backward()
             grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         rows.append(((grads[0] - grads[1]).abs().max().item(),
                      (grads[0].norm() / grads[1].norm()).item()))
-    return {"rows": rows, "returned": returned[:1]}
+    return {"rows": rows, "returned": returned[:1], "sent": sorted(sent),
+            "dtype": str(grads[0].dtype).removeprefix("torch.")}
 
 
-@exercise("8.4", "A communication hook of your own", solution="averaging_hook",
-          hint="all-reduce the bucket's flat buffer with async_op=True, take its future "
-               "(.get_future()), and return future.then(f) where f divides f.value()[0] "
-               "by the world size and returns it.")
-def check_hook(averaging_hook: Callable) -> str:
+TOLERANCE = 1e-6
+"""How far 8.4's gradients may be from torch's fp16_compress_hook's. Dividing before or
+after the float16 all-reduce gives the same bits on 2 ranks (halving is exact), so a correct
+hook is at 0; a float32 all-reduce is about 10⁻⁴ off, far above this."""
+
+
+@exercise("8.4", "A float16 compression hook, by hand", solution="fp16_hook",
+          hint="DDP hands you the bucket as one flat float32 tensor (bucket.buffer()) and wants "
+               "back a Future of a float32 tensor. What has to happen to the tensor before the "
+               "all-reduce, so that half the bytes travel, and what in the callback you chain "
+               "with .then(...), so that DDP gets what it expects?")
+def check_hook(fp16_hook: Callable) -> str:
     import inspect
 
-    names = list(inspect.signature(averaging_hook).parameters)
+    names = list(inspect.signature(fp16_hook).parameters)
     expect(names[1:2] == ["bucket"],
            f"your hook's parameters are ({', '.join(names)}); DDP calls hook(state, bucket) "
            "and looks up the parameter named `bucket` (to check its type annotation).",
-           "name them as DDP does: def averaging_hook(state, bucket).")
+           "name them as DDP does: def fp16_hook(state, bucket).")
     with ranks(2) as pool:
         pool.run(_first_ddp, timeout=LOAD_TIMEOUT)
-        got = run_in_time(pool, hooked_gradients, averaging_hook, deadline=30.0,
+        got = run_in_time(pool, hooked_gradients, fp16_hook, deadline=30.0,
                           meaning="DDP waits in backward() for the future your hook returns.",
                           hint="return the future of an async all_reduce (or a `.then` of "
                                "it); never wait for something only another bucket sends.")
@@ -327,15 +382,23 @@ def check_hook(averaging_hook: Callable) -> str:
                          "torch.futures.Future whose value is the bucket's new contents (given "
                          "None, torch 2.13 even crashes the rank).",
            "return the future of an async all_reduce, or a `.then(...)` of it.")
+    sent = got[0]["sent"]
+    expect(sent == ["float16"],
+           f"your hook all-reduced {', '.join(sent) or 'nothing'}"
+           + (": 4 bytes per gradient, the bytes fp16_compress_hook halves." if "float32"
+              in sent else "; fp16_compress_hook all-reduces float16, 2 bytes per gradient."),
+           "make a float16 copy of the bucket's buffer and all-reduce that.")
     for rank, out in enumerate(got):
         for iteration, (difference, ratio) in enumerate(out["rows"], 1):
-            if difference > 1e-5:
+            if difference > TOLERANCE:
                 expect(abs(ratio - 2) > 1e-3,
-                       f"on rank {rank}, iteration {iteration}, your gradients are 2× DDP's: "
-                       "the sum over the 2 ranks, not the average.",
-                       "divide the all-reduced buffer by dist.get_world_size().")
+                       f"on rank {rank}, iteration {iteration}, your gradients are 2× those of "
+                       "fp16_compress_hook: the sum over the 2 ranks, not the average.",
+                       "divide by dist.get_world_size() (before the all-reduce or after).")
                 expect(False, f"on rank {rank}, iteration {iteration}, your gradients differ "
-                              f"from DDP's by up to {difference:.3g} (norm ratio "
-                              f"{ratio:.4g}).")
-    return ("with four buckets on 2 ranks, your hook's gradients equal DDP's own in every "
-            "iteration.")
+                              f"from fp16_compress_hook's by up to {difference:.3g} (norm "
+                              f"ratio {ratio:.4g}).",
+                       "the value of the future you return becomes the bucket: a float32 "
+                       "tensor of the buffer's size, the float16 sum divided by the ranks.")
+    return ("with four buckets on 2 ranks your hook all-reduces float16, half the bytes, and "
+            "its gradients equal torch's fp16_compress_hook's in every iteration.")

@@ -18,12 +18,14 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
   `show_leftover`: a store left over by a dead run, and the next run reading it;
   `show_agents`, `show_nesting`: torchrun's agents, workers and store, and launchers
   started inside launchers, with the variable that traps a script drawn in red;
-- data (`data`): `show_digits`, `show_sampler`: MNIST digits, and a sampler's split;
+- data (`data`): `show_digits`, `show_sampler`, `show_deal`: MNIST digits, a sampler's
+  split, and how it deals the shuffled, padded indices out;
 - time (`timeline`): `show_timeline` (with `Span`), `show_flight`: what each rank did when,
   and the collectives its flight recorder kept; `show_overlap`: computation and
   communication side by side on each rank (DDP's backward and its buckets), every span named;
   `show_attempts`: an elastic job's attempts, a failure, the restart and the checkpoint
-  that carries it over;
+  that carries it over; `show_ddp_step`: one DDP step on each rank, in order (a schematic,
+  not measured);
 - bars (`bars`): `show_bars`, `show_buckets`: measured quantities, DDP's buckets by bytes;
 - curves (`curves`): `LossCurves`, each rank's training loss and their average, drawn live
   in the cell while the ranks train.
@@ -44,7 +46,7 @@ from ddplab.viz.bars import show_bars, show_buckets
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH
 from ddplab.viz.cells import EMPTY_BUFFER, Owner, as_grid, format_value, owner_grid
 from ddplab.viz.curves import LossCurves
-from ddplab.viz.data import show_digits, show_sampler
+from ddplab.viz.data import show_deal, show_digits, show_sampler
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
 from ddplab.viz.png import png_bytes, screen_size
 from ddplab.viz.tensors import (
@@ -55,7 +57,14 @@ from ddplab.viz.tensors import (
     show_steps,
     show_transfers,
 )
-from ddplab.viz.timeline import Span, show_attempts, show_flight, show_overlap, show_timeline
+from ddplab.viz.timeline import (
+    Span,
+    show_attempts,
+    show_ddp_step,
+    show_flight,
+    show_overlap,
+    show_timeline,
+)
 from ddplab.viz.topology import (
     show_agents,
     show_cluster,
@@ -71,8 +80,8 @@ __all__ = [
     "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
     "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
     "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
-    "show_before_after", "show_buckets", "show_cluster", "show_digits", "show_flight",
-    "show_inbox", "show_launch", "show_leftover", "show_mesh", "show_nesting", "show_overlap",
-    "show_ranks", "show_rendezvous", "show_ring", "show_sampler", "show_steps", "show_store",
-    "show_timeline", "show_transfers", "text_color", "tint",
+    "show_before_after", "show_buckets", "show_cluster", "show_ddp_step", "show_deal",
+    "show_digits", "show_flight", "show_inbox", "show_launch", "show_leftover", "show_mesh",
+    "show_nesting", "show_overlap", "show_ranks", "show_rendezvous", "show_ring", "show_sampler",
+    "show_steps", "show_store", "show_timeline", "show_transfers", "text_color", "tint",
 ]

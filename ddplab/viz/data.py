@@ -96,3 +96,44 @@ def show_sampler(splits: Sequence[Sequence[int]], dataset_size: int, *,
                 canvas.ax.text(x + canvas.cell / 2, panel.y - 0.03, "again", ha="center",
                                va="top", fontsize=FONT - 3, color="#555555")
     return canvas.fig
+
+
+def show_deal(order: Sequence[int], world_size: int, *, title: str | None = None) -> Figure:
+    """How `DistributedSampler` deals indices out: shuffle, pad, then round-robin.
+
+    `order` is the shuffled list of all the dataset's indices (what every rank computes
+    alike from the seed and the epoch). The picture draws it, then the list padded to a
+    multiple of `world_size` by repeating its first indices (hatched, "again"), each
+    position numbered and coloured by the rank it is dealt to (position p goes to rank
+    p mod world_size), then each rank's share: positions r, r + W, r + 2W, ...
+    """
+    order = [int(i) for i in order]
+    if world_size < 1 or not order:
+        raise ValueError(f"need at least one index and one rank, not {len(order)} indices "
+                         f"and world_size={world_size}")
+    total = -(-len(order) // world_size) * world_size
+    padded = [order[p % len(order)] for p in range(total)]
+    dealt = [[p % world_size for p in range(total)]]
+    shuffled = Panel(0, np.asarray(order).reshape(1, -1), [[None] * len(order)],
+                     "1. shuffled: the same list on every rank", frame="#555555")
+    pad = Panel(0, np.asarray(padded).reshape(1, -1), [row[:] for row in dealt],
+                f"2. padded to {total} and dealt: position p to rank p mod {world_size}",
+                frame="#555555")
+    shares = [Panel(r, np.asarray(padded[r::world_size]).reshape(1, -1),
+                    [[r] * len(padded[r::world_size])], f"3. rank {r}")
+              for r in range(world_size)]
+    check_width([pad, *shares])
+    canvas = row_layout([[shuffled], [pad], shares], [None, None, None], title, world_size,
+                        between=0.35,
+                        legend_names={"rank": "dealt to rank {}",
+                                      "empty": "not dealt yet"})
+    c = canvas.cell
+    for p in range(total):
+        x = pad.x + p * c
+        canvas.ax.text(x + c / 2, pad.y - 0.03, f"p={p}", ha="center", va="top",
+                       fontsize=FONT - 2, color="#555555")
+        if p >= len(order):
+            canvas.ax.add_patch(Rectangle((x + 0.03, pad.y + 0.03), c - 0.06, c - 0.06,
+                                          fill=False, hatch="///", lw=0,
+                                          ec=text_color(rank_color(p % world_size))))
+    return canvas.fig

@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, label_size
-from ddplab.viz.palette import EMPTY, rank_color, text_color, tint
+from ddplab.viz.palette import COMBINED, EMPTY, rank_color, text_color, tint
 
 
 @dataclass(frozen=True)
@@ -405,4 +405,85 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None) -> Figure:
                      label="waiting for a collective to finish (hatched)")]
     ax.legend(handles=handles, loc="lower left", ncol=2, frameon=False, fontsize=FONT - 1,
               bbox_to_anchor=(0.02, 0.0), handlelength=1.5, columnspacing=1.5)
+    return canvas.fig
+
+
+def show_ddp_step(layers: Sequence[str], buckets: Sequence[Sequence[str]], *,
+                  world_size: int = 2, title: str | None = None) -> Figure:
+    """One DDP training step on every rank, as a schematic in order (not measured times).
+
+    Each rank's row: the forward through `layers` (in forward order), the backward through
+    them in reverse, each layer's gradient ready in turn, then `optimizer.step()`. Below,
+    DDP's all-reduces: `buckets` lists the layers whose gradients each bucket holds, in the
+    order DDP all-reduces them; a bucket's all-reduce starts once its last gradient is
+    ready (and the bucket before it is done), and runs on all ranks at once: one box
+    across every rank, grey with the ranks' colours, as a combined value is drawn. The
+    step waits for the last all-reduce. Compute boxes are in their rank's colour.
+    """
+    layers = list(layers)
+    if not layers or world_size < 1 or not buckets:
+        raise ValueError("need at least one layer, one rank and one bucket")
+    unknown = sorted({name for b in buckets for name in b} - set(layers))
+    if unknown:
+        raise ValueError(f"buckets name layers that are not in `layers`: {unknown}")
+    n = len(layers)
+    # Schematic time: one unit per layer forward and backward, the loss between.
+    ready = {name: n + 1 + (n - layers.index(name)) for name in layers}  # end of its backward
+    comm, end = [], 0.0
+    for k, bucket in enumerate(buckets):
+        start = max([ready[name] for name in bucket] + [end])
+        end = start + 1.5
+        comm.append((k, start, end, bucket))
+    step_start = max(end, 2 * n + 1)
+    total = step_start + 1.6
+    left, right, lane = 0.95, 0.3, 0.5
+    scale = (MAX_WIDTH - left - right) / total
+    top = 0.3 + (0.35 if title else 0) + 0.3
+    rows = 2 * world_size
+    height = top + lane * rows + 0.25 + 0.45
+    canvas = Canvas(MAX_WIDTH, height, CELL, title)
+    ax = canvas.ax
+
+    def box(t0: float, t1: float, y: float, h: float, label: str, **style) -> None:
+        ax.add_patch(Rectangle((left + t0 * scale + 0.02, y), (t1 - t0) * scale - 0.04, h,
+                               **style))
+        ax.text(left + (t0 + t1) / 2 * scale, y + h / 2, label, ha="center", va="center",
+                fontsize=FONT - 1)
+
+    for phase, t0, t1 in (("forward", 0, n), ("loss", n, n + 1), ("backward", n + 1, 2 * n + 1),
+                          ("optimizer.step()", step_start, total)):
+        ax.text(left + (t0 + t1) / 2 * scale, height - top + 0.08, phase, ha="center",
+                va="bottom", fontsize=FONT, style="italic", color="#444444")
+    for r in range(world_size):
+        y = height - top - (2 * r + 1) * lane
+        color = rank_color(r)
+        ax.text(left - 0.1, y + lane / 2, f"rank {r}", ha="right", va="center",
+                fontsize=FONT, fontweight="bold", color=text_color(color))
+        style = {"fc": tint(color, 0.35), "ec": color, "lw": 0.8}
+        for i, name in enumerate(layers):
+            box(i, i + 1, y + 0.06, lane - 0.12, name, **style)
+        box(n, n + 1, y + 0.06, lane - 0.12, "loss", **style)
+        for name in layers:
+            box(ready[name] - 1, ready[name], y + 0.06, lane - 0.12, f"∇{name}", **style)
+        box(step_start, total, y + 0.06, lane - 0.12, "update", **style)
+        ax.text(left - 0.1, y - lane / 2, "comm.", ha="right", va="center", fontsize=FONT - 1,
+                color="#555555")
+    for k, t0, t1, _ in comm:  # one collective: the same box on every rank's comm. lane
+        x0, w = left + t0 * scale + 0.02, (t1 - t0) * scale - 0.04
+        for r in range(world_size):
+            y = height - top - (2 * r + 2) * lane + 0.04
+            ax.add_patch(Rectangle((x0, y), w, lane - 0.08, fc=COMBINED, ec="#777777", lw=0.8))
+            bar = w / world_size
+            for q in range(world_size):
+                ax.add_patch(Rectangle((x0 + q * bar, y), bar, 0.07, fc=rank_color(q),
+                                       ec="none"))
+            ax.text(x0 + w / 2, y + lane / 2 + 0.02, f"all-reduce b{k}", ha="center",
+                    va="center", fontsize=FONT - 1)
+    handles = [Patch(fc=tint(rank_color(r), 0.35), ec=rank_color(r), label=f"rank {r} computes")
+               for r in range(world_size)]
+    handles.append(Patch(fc=COMBINED, ec="#777777",
+                         label="all-reduce of bucket k, every rank at once"))
+    ax.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
+              fontsize=FONT - 1, bbox_to_anchor=(0.0, 0.0), handlelength=1.5,
+              columnspacing=1.2)
     return canvas.fig

@@ -4,6 +4,7 @@ One function per exercise, named as the exercise's `solution`; `tests/test_exerc
 checks that each passes `check("8.N", ...)`. Learners: try first, then compare.
 """
 
+import torch
 import torch.distributed as dist
 
 
@@ -36,8 +37,12 @@ def busbw(op, nbytes, seconds, world_size):
     return nbytes / seconds / 1e9 * factor
 
 
-def predict_buckets(sizes, first_cap, cap):
-    """Exercise 8.3: fill buckets in ready order; each closes once it holds at least its cap."""
+def predict_buckets(sizes, bucket_cap_mb=None):
+    """Exercise 8.3: fill buckets in ready order; each closes once it holds at least its cap.
+    The first bucket's cap is 1 MiB only when bucket_cap_mb is not passed; an explicit value
+    caps every bucket, the first included."""
+    cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
+    first_cap = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
     buckets, current, held = [], [], 0
     for position, size in enumerate(sizes):
         current.append(position)
@@ -50,7 +55,14 @@ def predict_buckets(sizes, first_cap, cap):
     return buckets
 
 
-def averaging_hook(state, bucket):
-    """Exercise 8.4: what DDP does by default: all-reduce the bucket, divide by the ranks."""
-    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-    return future.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+def fp16_hook(state, bucket):
+    """Exercise 8.4: fp16_compress_hook by hand: all-reduce a float16 copy (divided first, so
+    that the sum cannot overflow float16), then write it back into the float32 bucket."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.float16).div_(dist.get_world_size())
+    future = dist.all_reduce(compressed, async_op=True).get_future()
+
+    def decompress(f):
+        return buffer.copy_(f.value()[0])
+
+    return future.then(decompress)

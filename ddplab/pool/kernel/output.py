@@ -52,6 +52,12 @@ _C10_LOG = re.compile(r"^(?:\[rank\d+\]:)?\[([DIWEF])\d{4} [\d:.]+ (?:\d+ )?([^\
                       re.MULTILINE)
 
 
+# CPython's fatal-error report ends with the extension modules loaded ("Extension modules:
+# numpy..., torch._C, ... (total: 30)"): a list that depends on the install (a CUDA build of
+# torch adds cuda.bindings) and says nothing about the crash. Leave it out.
+_EXTENSION_MODULES = re.compile(r"^\n?Extension modules: [^\n]*\(total: \d+\)\n?", re.MULTILINE)
+
+
 def _dump_path(filename: str) -> str:
     """A file of a crash dump, named as tracebacks name it: "Cell In[4]" for a cell.
 
@@ -62,7 +68,7 @@ def _dump_path(filename: str) -> str:
 
 
 def _tidy(text: str) -> str:
-    text = _C10_LOG.sub(r"[\1 \2] ", text)
+    text = _EXTENSION_MODULES.sub("", _C10_LOG.sub(r"[\1 \2] ", text))
     return _DUMP_FRAME.sub(lambda m: m[1] + _dump_path(m[2]) + m[3], text)
 
 
