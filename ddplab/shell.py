@@ -32,7 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +60,13 @@ class CommandFailed(RuntimeError):
 class Shell:
     """Commands run through bash in `cwd`, with $RUNS and this Python's tools on PATH."""
 
-    def __init__(self, cwd: str | os.PathLike = ".", env: Mapping[str, str] | None = None
-                 ) -> None:
+    def __init__(self, cwd: str | os.PathLike = ".", env: Mapping[str, str] | None = None,
+                 hide: Sequence[str] = ()) -> None:
+        """`hide`: regular expressions whose matches are left out of what is shown (numbers
+        that vary from machine to machine, such as each epoch's duration); `Done` keeps the
+        commands' output whole."""
         self.cwd = Path(cwd).resolve()
+        self.hide = [re.compile(pattern) for pattern in hide]
         self.runs = Path(tempfile.mkdtemp(prefix="ddplab-runs-"))
         bindir = str(Path(sys.executable).parent)  # python, torchrun: this environment's
         # A cell is no terminal: no colour codes in what the commands print. ipykernel sets
@@ -129,9 +133,12 @@ class Shell:
             print(f"[exit status {done.returncode}]")
 
     def tidy(self, text: str) -> str:
-        """`text` with this machine's paths replaced by what they are ($RUNS, site-packages)."""
+        """`text` with this machine's paths replaced by what they are ($RUNS, site-packages),
+        and what `hide` matches left out."""
         for path, name in sorted(self._shown.items(), key=lambda item: -len(item[0])):
             text = text.replace(path, name)
+        for pattern in self.hide:
+            text = pattern.sub("", text)
         return text
 
     def close(self) -> None:

@@ -841,7 +841,7 @@ def test_each_wrong_ddp_script_gets_its_own_verdict(mistake, monkeypatch):
 # --- chapter 6: typical wrong attempts and the verdict each gets ---
 
 def _second_reader_wins(env):
-    """6.1, wrong: torchrun's variables, then OpenMPI's over them (rank_bug.py's way)."""
+    """6.2, wrong: torchrun's variables, then OpenMPI's over them (rank_bug.py's way)."""
     rank, local_rank = int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0))
     world_size = int(env.get("WORLD_SIZE", 1))
     rank = int(env.get("OMPI_COMM_WORLD_RANK", rank))
@@ -851,12 +851,12 @@ def _second_reader_wins(env):
 
 
 def _torchrun_only(env):
-    """6.1, wrong: reads torchrun's variables as if they were always set."""
+    """6.2, wrong: reads torchrun's variables as if they were always set."""
     return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
 
 
 def _slurm_before_mpirun(env):
-    """6.1, wrong: an srun step's variables before OpenMPI's (mpirun inside a Slurm job)."""
+    """6.2, wrong: an srun step's variables before OpenMPI's (mpirun inside a Slurm job)."""
     for names in (("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"),
                   ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID",
                    "SLURM_STEP_NUM_TASKS"),
@@ -868,14 +868,14 @@ def _slurm_before_mpirun(env):
 
 
 def _standalone_everywhere(node):
-    """6.2, wrong: --standalone makes each node a job of its own."""
+    """6.1, wrong: --standalone makes each node a job of its own."""
     rank = ["node02", "node03", "node04"].index(node)
     return (f"torchrun --standalone --nnodes=3 --nproc_per_node=4 --node_rank={rank} "
             "-m ddplab.train")
 
 
 def _node_rank_zero(node):
-    """6.2, wrong: the same command, node rank included, on every node."""
+    """6.1, wrong: the same command, node rank included, on every node."""
     return ("torchrun --nnodes=3 --nproc_per_node=4 --node_rank=0 --master_addr=192.168.0.101 "
             "--master_port=29500 -m ddplab.train")
 
@@ -911,15 +911,15 @@ def _three_nodes_always(env, gpus_per_node):
 
 
 CHAPTER_6 = [
-    ("6.1", _second_reader_wins, "for srun --ntasks=8 over 2 nodes (", "which launcher started "
+    ("6.2", _second_reader_wins, "for srun --ntasks=8 over 2 nodes (", "which launcher started "
      "this very process"),
-    ("6.1", _torchrun_only, "for srun --ntasks=8 over 2 nodes, your function raised KeyError",
+    ("6.2", _torchrun_only, "for srun --ntasks=8 over 2 nodes, your function raised KeyError",
      "use env.get(name)"),
-    ("6.1", _slurm_before_mpirun, "for mpirun inside a Slurm job of 2 nodes", "look for the "
-     "innermost first"),
-    ("6.2", _standalone_everywhere, "node_command('node02') uses --standalone",
+    ("6.2", _slurm_before_mpirun, "for mpirun -np 8 inside a Slurm job of 2 nodes, a rank on "
+     "the second node", "look for the innermost first"),
+    ("6.1", _standalone_everywhere, "node_command('node02') uses --standalone",
      "drop --standalone"),
-    ("6.2", _node_rank_zero, "node_command('node03') has --node_rank=0, but node03 is node "
+    ("6.1", _node_rank_zero, "node_command('node03') has --node_rank=0, but node03 is node "
      "rank 1", "which one tells the nodes apart"),
     ("6.3", _whole_list, "master_addr('gpu07,gpu09') returned 'gpu07,gpu09'",
      "commas that are not inside brackets"),
@@ -931,7 +931,7 @@ CHAPTER_6 = [
     ("6.4", _torchrun_variables, "node_torchrun(env, 4) on node02 (OMPI_COMM_WORLD_RANK=0 of 3) "
      "raised KeyError", "come later, from torchrun"),
     ("6.4", _three_nodes_always, "node_torchrun(env, 8) on node02 (OMPI_COMM_WORLD_RANK=0 of 2) "
-     "asks for --nnodes=3", "which counts them"),
+     "asks for --nnodes=3", "knows its place among mpirun's processes"),
 ]
 
 

@@ -116,7 +116,7 @@ def test_a_hanging_attempt_is_a_verdict_within_the_deadline():
     assert "same collective calls" in feedback.hint
 
 
-def test_the_launches_of_exercise_6_1_are_what_detect_reads():
+def test_the_launches_of_exercise_6_2_are_what_detect_reads():
     from ddplab.exercises.ch06 import LAUNCHES
     from ddplab.launch import detect
 

@@ -88,3 +88,13 @@ def test_children_stderr_restores_fd_2_when_the_block_raises():
     with pytest.raises(RuntimeError), children_stderr():
         raise RuntimeError("inside")
     assert os.fstat(2).st_ino == before.st_ino
+
+
+def test_hide_leaves_what_varies_out_of_what_is_shown_but_not_out_of_done(capsys):
+    sh = Shell(hide=[r" \(\d+\.\d+ s\)"])
+    try:
+        done = sh("echo 'epoch 1/2: loss 0.5 (0.4 s)'")
+    finally:
+        sh.close()
+    assert capsys.readouterr().out.splitlines()[-1] == "epoch 1/2: loss 0.5"
+    assert done.stdout == "epoch 1/2: loss 0.5 (0.4 s)\n"

@@ -605,6 +605,8 @@ def test_show_nesting_draws_each_launcher_inside_the_one_that_started_it():
         assert outer.get_y() < inner.get_y()
     assert _trap_texts(fig) == ["SLURM_PROCID=0", "SLURM_PROCID=0"]
     assert _box_colour(fig, "RANK=1") == colour_of(1)
+    alone = viz.show_nesting(launchers[:1], [(None, ["process 1 of 1", "SLURM_NTASKS=2"])])
+    assert _box_colour(alone, "process 1 of 1") == tuple(round(c, 3) for c in to_rgb("#EEEEEE"))
     with pytest.raises(ValueError, match="at least one launcher"):
         viz.show_nesting([], workers)
 

@@ -1,10 +1,14 @@
-"""Chapter 6 exercises: launchers (reading any launcher's variables; a node's torchrun command;
-the master from a Slurm node list; a node's torchrun command from mpirun's variables).
+"""Chapter 6 exercises: launchers (a node's torchrun command, in 6a; reading any launcher's
+variables, the master from a Slurm node list, a node's torchrun command from mpirun's
+variables, in 6b).
 
-No ranks are needed: 6.1 is checked against environments recorded from real launchers
-(torchrun, `srun`, `mpirun`, and launchers nested inside one another, where the
-innermost must win), 6.2 and 6.4 by parsing the learner's command with torchrun's own
-argument parser (`torch.distributed.run.get_args_parser`), so a command that torchrun
+No ranks are needed. 6.2 is checked against the environments each launcher gives a
+process (torchrun, `srun`, `mpirun`, and launchers nested inside one another, where the
+innermost must win). They are written by hand from the launchers' documented behaviour and,
+for mpirun inside a Slurm job, from OpenMPI's source (`orte/mca/plm/slurm/plm_slurm_module.c`);
+the variables of a rank on mpirun's own node were checked against a run on the one-node
+Slurm of chapter 6b. 6.1 and 6.4 are checked by parsing the learner's command with torchrun's
+own argument parser (`torch.distributed.run.get_args_parser`), so a command that torchrun
 would read differently, or refuse, fails here too.
 """
 
@@ -14,16 +18,28 @@ import shlex
 
 from ddplab.exercises import NotYet, exercise, expect
 
-# --- 6.1 rank, local rank and world size from whichever launcher ran ---
+# --- 6.2 rank, local rank and world size from whichever launcher ran ---
 
 _TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
              "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "node02",
              "MASTER_PORT": "29500"}
-_SRUN = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[02-03]", "SLURM_JOB_NUM_NODES": "2"}
+_SRUN = {**_JOB, "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
          "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
 _MPIRUN = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
            "MASTER_ADDR": "node02", "MASTER_PORT": "29500"}
+# mpirun in a batch script of 8 tasks on 2 nodes: mpirun is itself the daemon of its own node,
+# so the ranks there inherit the batch script's variables (the job's SLURM_NTASKS, no step:
+# what the one-node Slurm of 6b shows); on every other node OpenMPI starts one daemon with
+# `srun --ntasks-per-node=1 --ntasks=1 --nodelist=node03`, a step of 1 task whose
+# variables that node's ranks inherit.
+_BATCH = {**_JOB, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+          "SLURM_NTASKS": "8"}
+_DAEMON_STEP = {**_JOB, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1",
+                "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_STEP_NODELIST": "node03"}
+_MPIRUN_8 = {**_MPIRUN, "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
 
 # (what launched it, its environment, (rank, local_rank, world_size))
 LAUNCHES = [
@@ -32,18 +48,20 @@ LAUNCHES = [
     ("mpirun -np 4 over 2 nodes", _MPIRUN, (3, 1, 4)),
     ("a plain `python train.py`", {"HOME": "/home/ada"}, (0, 0, 1)),
     ("torchrun inside an srun step (one task per node)",
-     {**_SRUN, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2",
-      "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **_TORCHRUN}, (5, 1, 8)),
+     {**_SRUN, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2",
+      "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **_TORCHRUN},
+     (5, 1, 8)),
     ("torchrun started by mpirun (one per node)",
      {**_MPIRUN, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-      "OMPI_COMM_WORLD_LOCAL_RANK": "0", **_TORCHRUN, "RANK": "6", "LOCAL_RANK": "2"},
-     (6, 2, 8)),
-    ("mpirun inside a Slurm job of 2 nodes (OpenMPI starts one daemon per node with srun, "
-     "and its ranks inherit that step's variables)",
-     {**_SRUN, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2",
-      "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **_MPIRUN, "OMPI_COMM_WORLD_RANK": "5",
-      "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, (5, 1, 8)),
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1", **_TORCHRUN,
+      "RANK": "6", "LOCAL_RANK": "2"}, (6, 2, 8)),
+    ("mpirun -np 8 inside a Slurm job of 2 nodes, a rank on the second node (OpenMPI starts "
+     "one daemon per node with srun, except on mpirun's own node)",
+     {**_DAEMON_STEP, **_MPIRUN_8, "OMPI_COMM_WORLD_RANK": "5",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, (5, 1, 8)),
+    ("mpirun -np 8 inside a Slurm job of 2 nodes, a rank on mpirun's own node",
+     {**_BATCH, **_MPIRUN_8, "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "2"},
+     (2, 2, 8)),
     ("a JupyterLab kernel inside a Slurm batch job of 1 task",
      {"SLURM_JOB_ID": "99", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (0, 0, 1)),
 ]
@@ -55,7 +73,7 @@ _PLACES = {"the srun task": ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TA
                                   "OMPI_COMM_WORLD_SIZE")}
 
 
-@exercise("6.1", "Rank, local rank and world size, from any launcher", solution="launch_vars",
+@exercise("6.2", "Rank, local rank and world size, from any launcher", solution="launch_vars",
           hint="ask of each environment: which launcher started this very process? Each "
                "launcher leaves one variable that no other sets (compare the columns of the "
                "variables tables in 6a and 6b). A process inherits the variables of every "
@@ -92,7 +110,7 @@ def check_launch_vars(launch_vars) -> str:
             "launcher started this very process, so its variables are the ones that count.")
 
 
-# --- 6.2 one node's torchrun command in the classic 3 × 4 example ---
+# --- 6.1 one node's torchrun command in the classic 3 × 4 example ---
 
 NODES = ("node02", "node03", "node04")
 MASTER = ("192.168.0.101", 29500)
@@ -116,7 +134,7 @@ def _parse(command: str):
                      "--master_addr=... --master_port=..., before -m ddplab.train.") from None
 
 
-@exercise("6.2", "The command for each node", solution="node_command",
+@exercise("6.1", "The command for each node", solution="node_command",
           hint="the three nodes must form one job: which options must be the same on every "
                "node (how many nodes, how many processes on each, where to meet), and which "
                "one tells the nodes apart? They meet at the master, node02.")
@@ -195,9 +213,7 @@ MPI_NODES = [
 
 @exercise("6.4", "A torchrun per node, from mpirun's variables", solution="node_torchrun",
           hint="mpirun started one process per node, and each process knows its place among "
-               "mpirun's processes: that place is the node's. Which OMPI_COMM_WORLD_ variable "
-               "numbers the nodes 0, 1, 2, and which counts them? The master's address and "
-               "port came with -x.")
+               "mpirun's processes.")
 def check_node_torchrun(node_torchrun) -> str:
     seen = []
     for node, env, gpus in MPI_NODES:

@@ -247,25 +247,25 @@ def show_attempts(attempts: Sequence[tuple[str, Sequence[tuple[int, Sequence[Str
                 ax.add_patch(Rectangle((x, y(rank) + 0.09), w, lane - 0.18,
                                        fc=EMPTY if how == "stopped" else tint(color, 0.35),
                                        ec=color, lw=0.9, hatch="///" if how == "stopped" else None))
-                if 0.075 * len(text) + 0.1 < w:
+                if 0.075 * max(len(line) for line in text.splitlines()) + 0.1 < w:
                     ax.text(x + w / 2, y(rank) + lane / 2, text, ha="center", va="center",
-                            fontsize=FONT - 1, bbox={"fc": "white", "ec": "none", "alpha": 0.8,
-                                                     "pad": 0.8})
+                            fontsize=FONT - 1, linespacing=1.0,
+                            bbox={"fc": "white", "ec": "none", "alpha": 0.8, "pad": 0.8})
                 if how == "failed":
                     ax.plot([x + w], [y(rank) + lane / 2], marker="x", ms=10, mew=2.4,
                             color=TRAP)
                 if how == "saved" and rank == ranks[0]:  # arrows only to the top lane's
                     saved.append((x + w - 0.1, y(rank) + lane - 0.09))
-                if how == "resumed" and rank == ranks[0]:
+                if how == "resumed":  # every rank reads the checkpoint back
                     resumed.append((x, y(rank) + lane / 2))
                 x += w
         x0 += length * scale
         if k + 1 < len(attempts):
             mid = top - lane * len(ranks) / 2
-            ax.annotate("", xy=(x0 + joint - 0.1, mid), xytext=(x0 + 0.1, mid),
+            ax.annotate("", xy=(x0 + joint - 0.35, mid), xytext=(x0 + 0.1, mid),
                         arrowprops={"arrowstyle": "-|>", "color": "#333333", "lw": 1.6,
                                     "mutation_scale": 14})
-            ax.text(x0 + joint / 2, mid + 0.08, "the agent", ha="center", va="bottom",
+            ax.text(x0 + joint / 2 - 0.12, mid + 0.08, "the agent", ha="center", va="bottom",
                     fontsize=FONT - 1, color="#333333")
             if k < len(between):
                 ax.text(x0 + joint / 2, bottom - 0.05, between[k], ha="center", va="top",
@@ -273,7 +273,11 @@ def show_attempts(attempts: Sequence[tuple[str, Sequence[tuple[int, Sequence[Str
             x0 += joint
     if checkpoint:
         w = len(checkpoint) * 0.09 + 0.3
-        cx = (saved[0][0] + resumed[0][0]) / 2 if saved and resumed else left + 1
+        # the file sits over the gap between the attempts; a line drops from it just left
+        # of the resumed stretches, and branches into each rank's
+        drop = min(x for x, _ in resumed) - 0.15 if resumed else left + 1
+        cx = max(drop + 0.3 - w / 2, saved[0][0] + 0.2 + w / 2) if saved else drop
+        drop = min(drop, cx + w / 2 - 0.15)
         by = top + label_h + 0.05
         ax.add_patch(Rectangle((cx - w / 2, by), w, 0.32, fc="white", ec="#222222", lw=1.6))
         ax.text(cx, by + 0.16, checkpoint, ha="center", va="center", fontsize=FONT - 1,
@@ -283,8 +287,9 @@ def show_attempts(attempts: Sequence[tuple[str, Sequence[tuple[int, Sequence[Str
                         arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 1.2,
                                     "connectionstyle": "angle,angleA=90,angleB=0,rad=0"})
         for x, yy in resumed:  # down from the file, then into the stretch from its left
-            ax.annotate("", xy=(x, yy), xytext=(cx + w / 2 - 0.25, by),
+            ax.annotate("", xy=(x, yy), xytext=(drop, by),
                         arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 1.2,
+                                    "shrinkA": 0,
                                     "connectionstyle": "angle,angleA=-90,angleB=0,rad=0"})
     return canvas.fig
 

@@ -294,7 +294,7 @@ def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Se
     ax = canvas.ax
     node_top = height - title_h - store_h - rise
     tops = []  # where each agent's link to the store starts
-    nx = margin
+    nx = (width - sum(node_ws) - gap * (len(nodes) - 1)) / 2  # centred under a wider title
     for (label, agent, workers), node_w, box_w in zip(nodes, node_ws, box_ws, strict=True):
         ny = node_top - node_h
         ax.add_patch(Rectangle((nx, ny), node_w, node_h, fc="#F7F7F7", ec="#555555", lw=1.2))
@@ -331,18 +331,20 @@ def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Se
                 fontsize=FONT - 1, color="#333333",
                 bbox={"fc": "white", "ec": "none", "pad": 0.5})
     if note:
-        ax.text(margin, note_h / 2, note, ha="left", va="center", fontsize=FONT - 1,
+        ax.text(width / 2, note_h / 2, note, ha="center", va="center", fontsize=FONT - 1,
                 color=TRAP if highlight else "#333333")
     return canvas.fig
 
 
-def show_nesting(launchers: Sequence[tuple[str, str]], workers: Sequence[tuple[int, Sequence[str]]],
+def show_nesting(launchers: Sequence[tuple[str, str]],
+                 workers: Sequence[tuple[int | None, Sequence[str]]],
                  *, highlight: Sequence[str] = (), note: str | None = None,
                  title: str | None = None) -> Figure:
     """Launchers started by launchers: each a frame inside the one that started it.
 
     `launchers` go outermost first, each (command, what it does); the innermost frame holds
-    the workers, (rank, lines) pairs as in `show_launch`. A process inherits the variables
+    the workers, (rank, lines) pairs as in `show_launch`; a worker whose rank is None is
+    a process that is no rank of anything, drawn grey. A process inherits the variables
     of every launcher around it, so a line that sets a variable named in `highlight` (one
     an outer launcher set, the same in every worker) is drawn as the trap, and `note` says why.
     """
@@ -380,9 +382,9 @@ def show_nesting(launchers: Sequence[tuple[str, str]], workers: Sequence[tuple[i
     wy = top - depth * head_h - worker_h - pad + 0.05
     for j, (rank, lines) in enumerate(workers):
         bx = inner_x + (inner_w - row_w) / 2 + j * (box_w + pad)
-        color = rank_color(int(rank))
-        ax.add_patch(Rectangle((bx, wy), box_w, worker_h, fc=tint(color),
-                               ec=line_color(color), lw=1.4))
+        fill, edge = (("#EEEEEE", "#777777") if rank is None
+                      else (tint(rank_color(int(rank))), line_color(rank_color(int(rank)))))
+        ax.add_patch(Rectangle((bx, wy), box_w, worker_h, fc=fill, ec=edge, lw=1.4))
         _write_lines(ax, bx + box_w / 2, wy + worker_h - 0.07, lines, highlight, line_h)
     if note:
         ax.text(margin, note_h / 2, note, ha="left", va="center", fontsize=FONT - 1,

@@ -6,7 +6,7 @@ checks that each passes `check("6.N", ...)`. Learners: try first, then compare.
 
 
 def launch_vars(env):
-    """Exercise 6.1: (rank, local_rank, world_size), the innermost launcher first."""
+    """Exercise 6.2: (rank, local_rank, world_size), the innermost launcher first."""
     if "TORCHELASTIC_RUN_ID" in env:                 # torchrun (or torch.distributed.launch)
         names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     elif "OMPI_COMM_WORLD_RANK" in env:              # mpirun (OpenMPI)
@@ -20,7 +20,7 @@ def launch_vars(env):
 
 
 def node_command(node):
-    """Exercise 6.2: the torchrun command to type on `node` (node02 is the master)."""
+    """Exercise 6.1: the torchrun command to type on `node` (node02 is the master)."""
     node_rank = ["node02", "node03", "node04"].index(node)
     return ("torchrun --nnodes=3 --nproc_per_node=4 "
             f"--node_rank={node_rank} "
