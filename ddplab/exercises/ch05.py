@@ -654,8 +654,12 @@ SCRIPT_EPOCHS = 2
 """The exercise's run: ddplab.train's Config with these epochs, every other setting its
 default (batch 32 per rank, Adam with lr 2e-3, seed 0, the shipped sample)."""
 SCRIPT_RANKS = 2
-SCRIPT_TIMEOUT = 180.0
-"""Seconds the learner's script may run (the reference takes 10 to 30 on 2 busy cores)."""
+SCRIPT_TIMEOUT_FACTOR = 4.0
+SCRIPT_MIN_TIMEOUT = 60.0
+"""The learner's script may run SCRIPT_TIMEOUT_FACTOR times as long as ddplab.train's own
+run took on this machine just before (10 to 30 s on 2 busy cores), and never less than
+SCRIPT_MIN_TIMEOUT seconds: a hang is caught in a minute or two, a slow machine is no hang."""
+REFERENCE_TIMEOUT = 300.0  # ddplab.train itself does not hang; this only bounds a broken set-up
 STACK_WAIT = 2.0  # seconds a hung rank gets to write its stack (SIGUSR1) before it is stopped
 CHECKPOINT = "checkpoint.pt"
 
@@ -771,7 +775,7 @@ def _reference() -> tuple[_Run, dict]:
         folder = Path(tempfile.mkdtemp(prefix="ddplab-5.4-reference-"))
         try:
             run = _torchrun(["-m", "ddplab.train", "--epochs", str(SCRIPT_EPOCHS), "--out", "."],
-                            folder, SCRIPT_TIMEOUT)
+                            folder, REFERENCE_TIMEOUT)
             if run.returncode != 0:
                 raise RuntimeError("ddplab.train itself failed under torchrun (exit "
                                    f"{run.returncode}): {run.stderr[-2000:]}")
@@ -859,9 +863,11 @@ def check_ddp_script(attempt) -> str:
     try:
         script = folder / name  # its own name: tracebacks read as the learner's file
         script.write_text(source, encoding="utf-8")
-        run = _torchrun([str(script)], folder, SCRIPT_TIMEOUT)
-        _judge_run(run, source, str(script))
-        reference, want = _reference()  # only now: a script that failed early needs none
+        # The reference first (once per kernel): its time sets the script's deadline.
+        reference, want = _reference()
+        deadline = max(SCRIPT_MIN_TIMEOUT, SCRIPT_TIMEOUT_FACTOR * reference.seconds)
+        run = _torchrun([str(script)], folder, deadline)
+        _judge_run(run, source, str(script), deadline, reference.seconds)
         _judge_data(run, reference)
         _judge_model(run, reference)
         return _judge_checkpoint(run, reference, want, folder)
@@ -869,14 +875,15 @@ def check_ddp_script(attempt) -> str:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _judge_run(run: _Run, source: str, script: str) -> None:
-    """Did the run finish, without errors, through the four steps at all?"""
+def _judge_run(run: _Run, source: str, script: str, deadline: float, took: float) -> None:
+    """Did the run finish (within `deadline` s; ddplab.train's took `took`), without errors,
+    through the four steps at all?"""
     ranks_ = range(SCRIPT_RANKS)
     if run.hung:
         where = "; ".join(f"rank {r} {_where_stuck(run.stacks.get(r, ''), script, source)}"
                           for r in ranks_ if r in run.stacks) or "no rank said where it was"
-        raise NotYet(f"your script did not finish within {SCRIPT_TIMEOUT:g} s under torchrun "
-                     f"(training takes well under a minute), so it was stopped: {where}.",
+        raise NotYet(f"your script did not finish within {deadline:.0f} s under torchrun "
+                     f"(ddplab.train's run took {took:.0f} s), so it was stopped: {where}.",
                      "a rank waiting in a collective (barrier, all_reduce) waits for every "
                      "other rank to make the same call: a call inside `if rank == 0:` leaves "
                      "rank 0 waiting for the others forever.")
@@ -964,6 +971,15 @@ def _judge_data(run: _Run, ref: _Run) -> None:
                f"{want_loader['batch_size']} (per rank: {want_loader['batch_size']} × "
                f"{SCRIPT_RANKS} = {want_loader['batch_size'] * SCRIPT_RANKS} digits a step).",
                "batch_size is per rank: the global batch is batch_size × world size.")
+        share = -(-want_sampler["n"] // SCRIPT_RANKS)  # the sampler pads to equal shares
+        short = share % want_loader["batch_size"]
+        expect(not loader["drop_last"] or loader["drop_last"] == want_loader["drop_last"],
+               f"rank {r}'s DataLoader has drop_last=True: it skips each epoch's last batch"
+               + (f", the short one of {short} digits" if short else "")
+               + f", so an epoch takes {share // want_loader['batch_size']} steps where "
+               f"ddplab.train's takes {-(-share // want_loader['batch_size'])}.",
+               "ddplab.train keeps the DataLoader's default, drop_last=False: an epoch's last "
+               "batch may be smaller than the others.")
     want_epochs = [e["epoch"] for e in ref.events(0, "pass")]
     for r in range(SCRIPT_RANKS):
         epochs = [e["epoch"] for e in run.events(r, "pass")]

@@ -212,13 +212,13 @@ def legend_entries(owners: set, ranks: int, names: dict | None = None) -> list[t
     """The legend for cells of these `owners`: (owner, label) pairs, ranks first in rank
     order, then "combined" and "empty" where such cells were drawn; none for one rank alone
     (its panel's frame and title already say whose it is). `names` rewords "rank",
-    "combined" or "empty"."""
+    "combined" or "empty"; an empty name ("") leaves that entry out."""
     names = {"rank": "rank {}'s data", "combined": "combined from the ranks in its bar",
              "empty": "empty buffer", **(names or {})}
     entries = [(r, names["rank"].format(r)) for r in range(ranks) if r in owners]
     if "combined" in owners:
         entries.append(("combined", names["combined"]))
-    if None in owners:
+    if None in owners and names["empty"]:
         entries.append((None, names["empty"]))
     return entries if len(entries) > 1 or "combined" in owners or None in owners else []
 

@@ -126,7 +126,7 @@ def show_deal(order: Sequence[int], world_size: int, *, title: str | None = None
     canvas = row_layout([[shuffled], [pad], shares], [None, None, None], title, world_size,
                         between=0.35,
                         legend_names={"rank": "dealt to rank {}",
-                                      "empty": "not dealt yet"})
+                                      "empty": ""})  # the plain shuffled row needs none
     c = canvas.cell
     for p in range(total):
         x = pad.x + p * c
