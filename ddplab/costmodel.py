@@ -376,9 +376,11 @@ def plot_model(model: Model, world_sizes: Sequence[int] = (4, 8, 64), *,
         cross = crossover(model, n)
         if cross < sizes[1]:
             ax.axvline(cross, color="#000000", lw=0.8, ls=(0, (1, 2)))
-            ax.annotate(f"ring fastest\nabove {_bytes_text(cross)}", (cross, 0.97),
-                        xycoords=("data", "axes fraction"), xytext=(4, 0),
-                        textcoords="offset points", va="top", fontsize=9)
+            # left of the line, at the top: small sizes take little time, so no curve
+            # runs there, in any panel
+            ax.annotate(f"ring fastest\nabove {bytes_text(cross)}", (cross, 0.97),
+                        xycoords=("data", "axes fraction"), xytext=(-4, 0),
+                        textcoords="offset points", va="top", ha="right", fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(base=10))
@@ -399,7 +401,9 @@ def plot_model(model: Model, world_sizes: Sequence[int] = (4, 8, 64), *,
     return fig
 
 
-def _bytes_text(nbytes: float) -> str:
+def bytes_text(nbytes: float) -> str:
+    """A size in binary units with 3 significant digits ("977 KiB", "3.55 MiB"): the unit
+    `plot_model` labels its crossovers in, for printing them the same way."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"

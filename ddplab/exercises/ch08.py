@@ -68,12 +68,12 @@ def ring_on_rank(attempt: Callable, numel: int) -> tuple[list[int], list[int], i
 
 
 @exercise("8.1", "The chunked ring all-reduce from isend and irecv", solution="ring_all_reduce",
-          hint="cut the tensor into n chunks with tensor.view(-1).tensor_split(n) (views: "
-               "adding into them changes the tensor). For n − 1 steps, send one chunk to the "
-               "right neighbour and add the chunk from the left into yours (which chunk: "
-               "(rank − step) mod n goes out); then n − 1 more steps passing the finished "
-               "chunks on. Post the send and the receive together (isend and irecv, then "
-               "wait on both).")
+          hint="after the n − 1 steps of the reduce-scatter, which chunk does rank r hold "
+               "finished (the schedule says)? Work back from there: at each step, which "
+               "chunk must r send right, and which one does the chunk from its left add "
+               "into? Then, in the all-gather, which finished chunk does r pass on at each "
+               "step? And how do you add into a piece of the tensor so that the tensor "
+               "itself changes?")
 def check_ring(ring_all_reduce: Callable) -> str:
     world = 3
     with ranks(world) as pool:

@@ -93,8 +93,10 @@ def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]
     all-reduced; each bucket is framed, says its size below it, and each parameter its name
     where it fits. Buckets are drawn in greys, never in a rank's colour: every rank holds
     the same buckets, so a colour here would claim an owner there is none of. Their shades
-    alternate so neighbours stand apart, and a note under the bars says so. The picture is
-    at most `BUCKETS_WIDTH` inches wide, whatever the number of parameters.
+    alternate so neighbours stand apart, and a note under the bars says so. Parameters too
+    narrow to carry their name (biases, small layers) are named in a line under the bars,
+    with their sizes, so that a sliver the prose mentions can be found. The picture is at
+    most `BUCKETS_WIDTH` inches wide, whatever the number of parameters.
     """
     if not layouts or any(not buckets for _, buckets in layouts):
         raise ValueError("show_buckets needs at least one layout, each with a bucket")
@@ -102,11 +104,12 @@ def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]
     top = 0.2 + (0.35 if title else 0)
     width = max(BUCKETS_WIDTH, title_width(title))
     length = width - left - 0.3
-    height = top + row * len(layouts) + 0.35
+    height = top + row * len(layouts) + 0.6
     canvas = Canvas(width, height, CELL, title)
     ax = canvas.ax
     total = max(sum(b for bucket in buckets for _, b in bucket) for _, buckets in layouts)
     scale = length / total
+    slivers: dict[str, int] = {}  # parameters drawn without their name, in drawing order
     for i, (label, buckets) in enumerate(layouts):
         y = height - top - (i + 1) * row + 0.35
         ax.text(left - 0.12, y + 0.22, label, ha="right", va="center", fontsize=FONT)
@@ -121,6 +124,8 @@ def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]
                 if w > 0.07 * len(name) + 0.1:
                     ax.text(x + w / 2, y + 0.22, name, ha="center", va="center",
                             fontsize=FONT - 1)
+                else:
+                    slivers.setdefault(name, nbytes)
                 x += w
             ax.add_patch(Rectangle((start, y), max(x - start, 0.01), 0.44, fc="none",
                                    ec=BUCKET_FRAME, lw=1.8))
@@ -130,6 +135,10 @@ def show_buckets(layouts: Sequence[tuple[str, Sequence[Sequence[tuple[str, int]]
             if fitting:
                 ax.text((start + x) / 2, y - 0.06, fitting[0], ha="center", va="top",
                         fontsize=FONT - 1, color="#333333")
+    if slivers:
+        ax.text(0.3, 0.4, "Too narrow to name: " + ", ".join(
+            f"{name} {_bytes_text(nbytes)}" for name, nbytes in slivers.items()) + ".",
+            ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
     ax.text(0.3, 0.12, "Buckets in greys, not in a rank's colour: every rank holds the same "
             "buckets. A frame encloses each bucket; shades alternate from one to the next.",
             ha="left", va="bottom", fontsize=FONT - 1, color="#333333", style="italic")
