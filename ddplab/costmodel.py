@@ -33,19 +33,6 @@ from dataclasses import dataclass
 ALGORITHMS = ("ring", "recursive doubling", "naive", "whole tensor ring")
 
 
-def timing_ranks(most: int = 4) -> int:
-    """How many ranks to time on: as many as this process may use cores, from 2 to `most`.
-
-    The α–β model assumes every rank runs all the time; ranks that take turns on fewer
-    cores wait for the scheduler at every step, and that waiting, not the network, is what
-    such a measurement would show. Two ranks at least: a message needs two ends.
-    """
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, min(most, cores or 1))
-
-
 @dataclass(frozen=True)
 class Model:
     """α in seconds, β in seconds per byte."""
