@@ -869,15 +869,15 @@ def _slurm_before_mpirun(env):
 
 def _standalone_everywhere(node):
     """6.1, wrong: --standalone makes each node a job of its own."""
-    rank = ["node02", "node03", "node04"].index(node)
-    return (f"torchrun --standalone --nnodes=3 --nproc_per_node=4 --node_rank={rank} "
+    rank = ["gpu05", "gpu06"].index(node)
+    return (f"torchrun --standalone --nnodes=2 --nproc_per_node=8 --node_rank={rank} "
             "-m ddplab.train")
 
 
 def _node_rank_zero(node):
     """6.1, wrong: the same command, node rank included, on every node."""
-    return ("torchrun --nnodes=3 --nproc_per_node=4 --node_rank=0 --master_addr=192.168.0.101 "
-            "--master_port=29500 -m ddplab.train")
+    return ("torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=10.0.0.5 "
+            "--master_port=29400 -m ddplab.train")
 
 
 def _whole_list(nodelist):
@@ -917,9 +917,9 @@ CHAPTER_6 = [
      "use env.get(name)"),
     ("6.2", _slurm_before_mpirun, "for mpirun -np 8 inside a Slurm job of 2 nodes, a rank on "
      "the second node", "look for the innermost first"),
-    ("6.1", _standalone_everywhere, "node_command('node02') uses --standalone",
+    ("6.1", _standalone_everywhere, "node_command('gpu05') uses --standalone",
      "drop --standalone"),
-    ("6.1", _node_rank_zero, "node_command('node03') has --node_rank=0, but node03 is node "
+    ("6.1", _node_rank_zero, "node_command('gpu06') has --node_rank=0, but gpu06 is node "
      "rank 1", "which one tells the nodes apart"),
     ("6.3", _whole_list, "master_addr('gpu07,gpu09') returned 'gpu07,gpu09'",
      "commas that are not inside brackets"),

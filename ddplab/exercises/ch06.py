@@ -110,10 +110,12 @@ def check_launch_vars(launch_vars) -> str:
             "launcher started this very process, so its variables are the ones that count.")
 
 
-# --- 6.1 one node's torchrun command in the classic 3 × 4 example ---
+# --- 6.1 one node's torchrun command for a job the chapter does not show ---
+# (the chapter prints the 3 × 4 example's commands; the exercise is a 2 × 8 job)
 
-NODES = ("node02", "node03", "node04")
-MASTER = ("192.168.0.101", 29500)
+NODES = ("gpu05", "gpu06")
+GPUS_PER_NODE = 8
+MASTER = ("10.0.0.5", 29400)
 
 
 def _parse(command: str):
@@ -135,9 +137,10 @@ def _parse(command: str):
 
 
 @exercise("6.1", "The command for each node", solution="node_command",
-          hint="the three nodes must form one job: which options must be the same on every "
+          hint="the nodes must form one job: which options must be the same on every "
                "node (how many nodes, how many processes on each, where to meet), and which "
-               "one tells the nodes apart? They meet at the master, node02.")
+               "one tells the nodes apart? The chapter's 3 × 4 commands are a model, not "
+               "the answer.")
 def check_node_command(node_command) -> str:
     seen = []
     for node_rank, node in enumerate(NODES):
@@ -150,25 +153,26 @@ def check_node_command(node_command) -> str:
         call = f"node_command({node!r})"
         expect(not args.standalone, f"{call} uses --standalone, which makes every node a job "
                "of its own.", "drop --standalone: the nodes must meet at the master.")
-        expect(str(args.nnodes) == "3", f"{call} asks for --nnodes={args.nnodes}; the job has "
-               "3 nodes.")
-        expect(str(args.nproc_per_node) == "4", f"{call} starts --nproc_per_node="
-               f"{args.nproc_per_node}; each node has 4 GPUs, one process each.")
+        expect(str(args.nnodes) == str(len(NODES)), f"{call} asks for --nnodes={args.nnodes}; "
+               f"the job has {len(NODES)} nodes.")
+        expect(str(args.nproc_per_node) == str(GPUS_PER_NODE), f"{call} starts "
+               f"--nproc_per_node={args.nproc_per_node}; each node has {GPUS_PER_NODE} GPUs, "
+               "one process each.")
         expect(args.rdzv_backend == "static", f"{call} uses the {args.rdzv_backend} "
                "rendezvous; this exercise is the classic static one (node ranks given).")
         expect((args.master_addr, args.master_port) == MASTER,
-               f"{call} meets at {args.master_addr}:{args.master_port}; the master, node02, "
-               f"listens at {MASTER[0]}:{MASTER[1]}.")
+               f"{call} meets at {args.master_addr}:{args.master_port}; the master, "
+               f"{NODES[0]}, listens at {MASTER[0]}:{MASTER[1]}.")
         expect(args.node_rank == node_rank,
                f"{call} has --node_rank={args.node_rank}, but {node} is node rank {node_rank}"
-               " (node02, the master, is 0).")
+               f" ({NODES[0]}, the master, is 0).")
         expect(args.module and args.training_script == "ddplab.train",
                f"{call} runs {args.training_script!r}"
                f"{' as a module' if args.module else ''}; it should run -m ddplab.train.")
-        first = node_rank * 4
-        seen.append(f"{node}: ranks {first}-{first + 3}")
-    return ("torchrun reads all three commands as one job of 12 processes: "
-            + "; ".join(seen) + ".")
+        first = node_rank * GPUS_PER_NODE
+        seen.append(f"{node}: ranks {first}-{first + GPUS_PER_NODE - 1}")
+    return (f"torchrun reads the {len(NODES)} commands as one job of "
+            f"{len(NODES) * GPUS_PER_NODE} processes: " + "; ".join(seen) + ".")
 
 
 # --- 6.3 the master's host name from a Slurm node list ---

@@ -11,6 +11,7 @@ colour of rank 2's tensors in every other picture.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -239,7 +240,9 @@ def _write_lines(ax, x: float, top: float, lines: Sequence[str], highlight: Sequ
 
 def _text_w(lines: Sequence[str], first_bold: bool = True) -> float:
     """The inches the widest of `_write_lines`' lines takes, measured in the font (the first
-    line at 10 pt bold, the others at 9 pt; a trap line is bold too)."""
+    line at 10 pt bold, the others at 9 pt; a trap line is bold too), rounded up to a tenth
+    of an inch: the font's measure differs in its last digits between builds, and a
+    picture's size, which follows it, is part of what nbval compares."""
     widths = [0.0]
     for n, line in enumerate(lines):
         if not line.strip():
@@ -248,7 +251,7 @@ def _text_w(lines: Sequence[str], first_bold: bool = True) -> float:
         prop = FontProperties(weight="bold" if bold else "normal")
         size = FONT if n == 0 and first_bold else FONT - 1
         widths.append(TextPath((0, 0), line, size=size, prop=prop).get_extents().width / 72)
-    return max(widths)
+    return math.ceil(max(widths) * 10) / 10
 
 
 def _arrow(ax, start: tuple[float, float], end: tuple[float, float], *,

@@ -20,11 +20,11 @@ def launch_vars(env):
 
 
 def node_command(node):
-    """Exercise 6.1: the torchrun command to type on `node` (node02 is the master)."""
-    node_rank = ["node02", "node03", "node04"].index(node)
-    return ("torchrun --nnodes=3 --nproc_per_node=4 "
+    """Exercise 6.1: the torchrun command to type on `node` (gpu05 is the master)."""
+    node_rank = ["gpu05", "gpu06"].index(node)
+    return ("torchrun --nnodes=2 --nproc_per_node=8 "
             f"--node_rank={node_rank} "
-            "--master_addr=192.168.0.101 --master_port=29500 "
+            "--master_addr=10.0.0.5 --master_port=29400 "
             "-m ddplab.train")
 
 
