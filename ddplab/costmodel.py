@@ -96,6 +96,19 @@ def _shared(times: list[float]) -> list[float]:
     return shared.tolist()
 
 
+def _fastest(step, iters: int, warmup: int, before=lambda: None) -> float:
+    """The fastest of `iters` timed calls of `step`, after `warmup` untimed ones; `before`
+    runs ahead of each call, untimed (a barrier, so that both ranks start together)."""
+    times = []
+    for i in range(warmup + iters):
+        before()
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[float]:
     """Run on every rank: ranks 0 and 1 bounce a message of each size; the others wait.
 
@@ -115,18 +128,16 @@ def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[fl
     times = []
     for size in sizes:
         buffer = torch.zeros(max(size, 1), dtype=torch.uint8)
-        rounds = []
-        for i in range(warmup + iters):
-            start = time.perf_counter()
+
+        def bounce(buffer=buffer):
             if rank == 0:
                 dist.send(buffer, 1)
                 dist.recv(buffer, 1)
             elif rank == 1:
                 dist.recv(buffer, 0)
                 dist.send(buffer, 0)
-            if i >= warmup:
-                rounds.append(time.perf_counter() - start)
-        times.append(min(rounds) / 2)
+
+        times.append(_fastest(bounce, iters, warmup) / 2)
     return _shared(times)
 
 
@@ -150,17 +161,14 @@ def exchange(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[flo
     for size in sizes:
         out = torch.zeros(max(size, 1), dtype=torch.uint8)
         into = torch.empty_like(out)
-        rounds = []
-        for i in range(warmup + iters):
-            dist.barrier()
-            start = time.perf_counter()
+
+        def swap(out=out, into=into):
             if rank < 2:
                 requests = [dist.isend(out, 1 - rank), dist.irecv(into, 1 - rank)]
                 for request in requests:
                     request.wait()
-            if i >= warmup:
-                rounds.append(time.perf_counter() - start)
-        times.append(min(rounds))
+
+        times.append(_fastest(swap, iters, warmup, before=dist.barrier))
     return _shared(times)
 
 

@@ -20,6 +20,13 @@ import pytest
 from ddplab.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
+
+
+def _markdown(notebook: Path) -> list[str]:
+    """The text of a chapter's markdown cells, in order."""
+    return [cell.source for cell in nbformat.read(notebook, as_version=4).cells
+            if cell.cell_type == "markdown"]
 
 
 def test_environment_yml_matches_pyproject() -> None:
@@ -164,12 +171,9 @@ def test_every_link_from_a_chapter_to_the_docs_lands_on_an_anchor_that_exists() 
     anchors = {path.name: set(re.findall(r'<a id="([^"]+)"></a>', path.read_text()))
                for path in (ROOT / "docs").glob("*.md")}
     links = 0
-    for notebook in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
-        for cell in nbformat.read(notebook, as_version=4).cells:
-            if cell.cell_type != "markdown":
-                continue
-            for page, anchor in re.findall(r"\]\(\.\./docs/([\w.-]+\.md)#([\w-]+)\)",
-                                           cell.source):
+    for notebook in CHAPTERS:
+        for text in _markdown(notebook):
+            for page, anchor in re.findall(r"\]\(\.\./docs/([\w.-]+\.md)#([\w-]+)\)", text):
                 links += 1
                 assert anchor in anchors.get(page, set()), (notebook.name, page, anchor)
     assert links >= 13  # every chapter but a few links at least one term
@@ -201,7 +205,7 @@ def test_every_committed_picture_fits_the_page_with_legible_labels() -> None:
     picture the chapters commit is drawn at most 1,000 px wide, so nothing shrinks."""
     wide = []
     pictures = 0
-    for notebook in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
+    for notebook in CHAPTERS:
         for index, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
             for output in cell.get("outputs", []):
                 if "image/png" not in output.get("data", {}):
@@ -220,28 +224,22 @@ def test_every_link_from_one_chapter_to_another_lands_on_a_heading_that_exists()
     JupyterLab's anchor for a heading is its text as shown (no backticks, no emphasis, a
     link's text) with spaces as hyphens; a reworded heading would leave the learner at the
     top of the other chapter."""
-    chapters = {p.name: p for p in (ROOT / "notebooks").glob("[0-9]*.ipynb")}
-
     def shown(heading: str) -> str:
         heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
         return re.sub(r"[`*]", "", heading).strip()
 
-    def anchors(path: Path) -> set[str]:
-        return {shown(match).replace(" ", "-")
-                for cell in nbformat.read(path, as_version=4).cells
-                if cell.cell_type == "markdown"
-                for match in re.findall(r"^#{1,6} +(.+?) *$", cell.source, re.MULTILINE)}
-
+    anchors = {path.name: {shown(match).replace(" ", "-")
+                           for text in _markdown(path)
+                           for match in re.findall(r"^#{1,6} +(.+?) *$", text, re.MULTILINE)}
+               for path in CHAPTERS}
     links = 0
-    for name, path in sorted(chapters.items()):
-        for cell in nbformat.read(path, as_version=4).cells:
-            if cell.cell_type != "markdown":
-                continue
+    for path in CHAPTERS:
+        for text in _markdown(path):
             for target, anchor in re.findall(r"\]\((\d\d[a-z]?_[\w-]+\.ipynb)(?:#([^)\s]+))?\)",
-                                             cell.source):
+                                             text):
                 links += 1
-                assert target in chapters, f"{name} links to {target}, which does not exist"
+                assert target in anchors, f"{path.name} links to {target}, which does not exist"
                 if anchor:
-                    assert anchor in anchors(chapters[target]), (
-                        f"{name} links to {target}#{anchor}: no such heading")
+                    assert anchor in anchors[target], (
+                        f"{path.name} links to {target}#{anchor}: no such heading")
     assert links >= 4

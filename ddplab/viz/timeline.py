@@ -57,6 +57,17 @@ def _time_text(seconds: float, step: float) -> str:
     return f"{seconds * 1e3:.{max(0, -int(np.floor(np.log10(step * 1e3))))}f} ms"
 
 
+def _time_axis(ax, x, t0: float, t1: float, left: float, axis: float, base: float) -> None:
+    """The time axis under a timeline, at height `base`: a line `axis` inches long from
+    `left`, and round ticks (`_time_step`) labelled from 0, placed by `x(t)`."""
+    ax.plot([left, left + axis], [base, base], color="#555555", lw=0.8)
+    step = _time_step(t1 - t0)
+    for k in range(int((t1 - t0) / step + 1e-9) + 1):
+        ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
+        ax.text(x(t0 + k * step), base - 0.1, _time_text(k * step, step), ha="center",
+                va="top", fontsize=FONT - 1)
+
+
 def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]] = (), *,
                   title: str | None = None) -> Figure:
     """What each rank did, and when: one lane per rank (or per rank and `Span.lane`), time
@@ -110,13 +121,7 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
         ax.plot([x(t)], [y(rank) + lane / 2], marker="x", ms=9, mew=2.2, color="#C00000")
         ax.text(x(t) + 0.12, y(rank) + lane / 2, text, ha="left", va="center",
                 fontsize=FONT - 1, color="#C00000")
-    base = height - top - lane * len(lanes) - 0.05
-    ax.plot([left, left + axis], [base, base], color="#555555", lw=0.8)
-    step = _time_step(t1 - t0)
-    for k in range(int((t1 - t0) / step + 1e-9) + 1):
-        ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
-        ax.text(x(t0 + k * step), base - 0.1, _time_text(k * step, step), ha="center",
-                va="top", fontsize=FONT - 1)
+    _time_axis(ax, x, t0, t1, left, axis, height - top - lane * len(lanes) - 0.05)
     return canvas.fig
 
 
@@ -393,13 +398,7 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None) -> Figure:
             ax.text(at + w / 2, text_y, s.label, ha="center", va="center", fontsize=FONT - 1)
             ax.plot([middle, at + w / 2], [edge, text_y + (-0.08 if above else 0.08)],
                     color="#777777", lw=0.7)
-    base = y + 0.1
-    ax.plot([left, left + axis], [base, base], color="#555555", lw=0.8)
-    step = _time_step(t1 - t0)
-    for k in range(int((t1 - t0) / step + 1e-9) + 1):
-        ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
-        ax.text(x(t0 + k * step), base - 0.1, _time_text(k * step, step), ha="center",
-                va="top", fontsize=FONT - 1)
+    _time_axis(ax, x, t0, t1, left, axis, y + 0.1)
     handles = [Patch(fc=tint("#777777", 0.35), ec="#777777", label="computing (solid)"),
                Patch(fc=tint("#777777", 0.8), ec="#777777", hatch="///",
                      label="waiting for a collective to finish (hatched)")]
