@@ -156,7 +156,7 @@ def show_memory(rows: Sequence[tuple[str, Sequence[Mapping[str, float]]]], *,
     categories = list(dict.fromkeys(k for row in values for m in row for k in m))
     categories += [k for g in guesses if g for k in g if k not in categories]
     most = max(len(ranks) for _, ranks in rows)
-    bar_h = 0.28 if most <= 4 else 0.2
+    bar_h = 0.28 if most <= 4 else 0.16  # eight ranks a group stay within a screen's height
     pitch = bar_h + 0.07
     group_gap = 0.3
     group_w = max(text_inches(label, FONT, bold=True) for label, _ in rows)
@@ -256,7 +256,8 @@ def show_memory_breakdown(parts: Mapping[str, float], *, rank: int = 0, unit: st
     labels, x = [], left
     for name in categories:
         w = values[name] * scale
-        share = f"{100 * values[name] / total:.0f} %" if total else "0 %"
+        percent = 100 * values[name] / total if total else 0.0
+        share = "< 1 %" if 0 < percent < 0.5 else f"{percent:.0f} %"
         lines = (name, f"{amount(values[name] / divisor)} {unit} · {share}")
         lw = max(text_inches(lines[0], FONT - 1, bold=True), text_inches(lines[1], FONT - 1))
         labels.append([x + w / 2, lw, lines])
