@@ -10,6 +10,8 @@ nccl-tests do (see :mod:`ddplab.bench`, which also runs under any launcher with
 ``ddplab data download`` fetches the full MNIST set and verifies it; ``ddplab data info``
 describes the MNIST sample shipped in the package, or a downloaded set (see
 :mod:`ddplab.data`).
+``ddplab plan`` predicts a parallel layout's memory per GPU and step time, or searches the
+layouts (see :mod:`ddplab.planner`, pure arithmetic that imports no torch).
 
 This module only parses arguments and dispatches; each subcommand's work lives in the module
 named for it, imported only when that subcommand runs. This module itself imports nothing
@@ -268,6 +270,109 @@ def _run_data(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+# --- ddplab plan -----------------------------------------------------------------------------
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from ddplab.planner import GPUS, MODELS, RECOMPUTE, SCHEDULES  # plain data, no torch
+
+    p = sub.add_parser(
+        "plan",
+        help="predict memory per GPU and step time of a parallel layout, or search layouts",
+        description=(
+            "Predict, by arithmetic, what one GPU holds (parameters, gradients, optimizer, "
+            "activations, reserved) and how long a training step takes (compute, exposed "
+            "communication, pipeline bubble), with tokens/s and MFU, for a model, a cluster "
+            "and a layout; or, with --search, rank every layout that fits. DP is what "
+            "GPUs / (TP × PP × CP) leaves. The formulas and their sources: ddplab/planner.py. "
+            "Exit status 1: the layout cannot run (the reasons are printed)."
+        ),
+        allow_abbrev=False,
+    )
+    p.add_argument("--model", default="llama3-8b", choices=list(MODELS), metavar="NAME",
+                   help=f"model preset: {', '.join(MODELS)} (default: llama3-8b)")
+    for name, meta in (("layers", "N"), ("hidden", "H"), ("heads", "N"), ("kv-heads", "N"),
+                       ("ffn", "F"), ("vocab", "V"), ("seq", "TOKENS")):
+        p.add_argument(f"--{name}", type=int, metavar=meta,
+                       help=f"override the preset's {name.replace('-', ' ')}")
+    p.add_argument("--gpu", default="h100", choices=list(GPUS), metavar="NAME",
+                   help=f"GPU preset: {', '.join(GPUS)} (default: h100)")
+    p.add_argument("--measured", nargs=4, type=float, metavar=("ALPHA", "BETA", "FLOPS", "BYTES"),
+                   help="a measured cluster instead of --gpu: α (s), β (s/byte), a matmul's "
+                        "FLOP/s, memory per rank in bytes")
+    p.add_argument("--gpus-per-node", type=int, metavar="N",
+                   help="GPUs sharing the fast link (default: the preset's 8)")
+    p.add_argument("--efficiency", type=float, metavar="E",
+                   help="fraction of peak FLOP/s that compute sustains (default: the preset's)")
+    p.add_argument("--gpus", type=int, default=8, metavar="N", help="GPUs in all (default: 8)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--batch", type=int, metavar="SEQUENCES", help="global batch in sequences")
+    batch.add_argument("--tokens", type=int, metavar="N",
+                       help="global batch in tokens (default: 4,194,304, i.e. 4M)")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel (default: 1)")
+    p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (default: 1)")
+    p.add_argument("--cp", type=int, default=1, metavar="N", help="context parallel (default: 1)")
+    p.add_argument("--zero", type=int, default=0, choices=range(4), metavar="STAGE",
+                   help="ZeRO stage 0, 1, 2 or 3 over the data-parallel ranks (default: 0)")
+    p.add_argument("--micro-batch", type=int, default=1, metavar="N",
+                   help="sequences per micro-batch (default: 1)")
+    p.add_argument("--interleave", type=int, default=1, metavar="V",
+                   help="virtual pipeline stages per GPU (default: 1)")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule (default: 1f1b)")
+    p.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                   help="activation recomputation; selective also stands for FlashAttention "
+                        "(default: none)")
+    p.add_argument("--fp32", action="store_true",
+                   help="train in fp32 (as the kit's CPU runs) instead of bf16 mixed precision")
+    p.add_argument("--search", action="store_true",
+                   help="try every layout (ignores the layout options) and rank those that fit")
+    p.add_argument("--top", type=int, default=5, metavar="N",
+                   help="layouts --search shows (default: 5)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=_run_plan, passthrough=False)
+
+
+def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
+    import dataclasses
+    import json
+
+    from ddplab import planner
+
+    try:
+        fields = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                  "kv_heads": args.kv_heads, "ffn": args.ffn, "vocab": args.vocab,
+                  "seq": args.seq}
+        model = dataclasses.replace(planner.MODELS[args.model],
+                                    **{k: v for k, v in fields.items() if v is not None})
+        if args.measured:
+            cluster = planner.Cluster.measured(*args.measured)
+        else:
+            cluster = planner.GPUS[args.gpu]
+        if args.gpus_per_node is not None:
+            if args.gpus_per_node < 1:
+                raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be positive")
+            cluster = dataclasses.replace(cluster, gpus_per_node=args.gpus_per_node)
+        if args.efficiency is not None:
+            cluster = planner.with_efficiency(cluster, args.efficiency)
+        batch = args.batch if args.batch is not None else (args.tokens or 1 << 22) // model.seq
+        if batch < 1:
+            raise ValueError(f"--tokens {args.tokens}: less than one {model.seq}-token sequence")
+        if args.search:
+            found = planner.search(model, cluster, args.gpus, batch, fp32=args.fp32)
+            print(json.dumps(found.as_dict(args.top), indent=1) if args.json
+                  else found.table(args.top))
+            return 0 if found.plans else 1
+        layout = planner.Layout(args.tp, args.pp, args.cp, args.zero, args.micro_batch,
+                                args.interleave, args.schedule, args.recompute, args.fp32)
+        result = planner.plan(model, cluster, args.gpus, layout, batch)
+    except ValueError as exc:
+        print(f"ddplab plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.as_dict(), indent=1) if args.json else result.table())
+    return 0 if result.feasible else 1
+
+
 # --- the command -----------------------------------------------------------------------------
 
 # One entry per subcommand: an `_add_<name>(sub)` that builds its parser and sets `handler`
@@ -279,6 +384,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_doctor,
     _add_bench,
     _add_data,
+    _add_plan,
 )
 
 

@@ -153,7 +153,7 @@ def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize(("command", "option"), [
     ("lab", "--port"), ("execute", "--timeout"), ("doctor", "--world-size"),
-    ("bench", "--backend"), ("data", "download"),
+    ("bench", "--backend"), ("data", "download"), ("plan", "--search"),
 ])
 def test_each_command_documents_its_options(command: str, option: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:
