@@ -48,11 +48,10 @@ weights and Adam moments, sharded by ZeRO stage over the data-parallel ranks (ti
 those ranks hold the same parameters). A fixed `reserved` line (the CUDA context, NCCL's
 buffers, the allocator's fragmentation) sits beside the ledger's four categories.
 
-What the model leaves out, on purpose: memory-bound kernels (norms, activations,
-softmax) whose share grows as the hidden size shrinks, GEMM efficiency that depends on
-shape, communication contention between groups, and stragglers. `benchmarks/RESULTS.md`
-shows what that costs against published runs. This module imports no torch, so `ddplab
-plan` starts as fast as the package import.
+It leaves out, on purpose: memory-bound kernels (norms, softmax) whose share grows as the
+hidden size shrinks, GEMM efficiency that depends on shape, contention between groups,
+stragglers; `benchmarks/RESULTS.md` shows what that costs against published runs. No torch
+is imported: `ddplab plan` starts as fast as the package import.
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 from ddplab.costmodel import Model as Link
+from ddplab.costmodel import bytes_text
 from ddplab.tables import format_table
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
@@ -322,7 +322,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         """Everything, plain data: what `ddplab plan --json` prints."""
-        out = {"model": asdict(self.model), "cluster": _cluster_dict(self.cluster),
+        out = {"model": asdict(self.model), "cluster": asdict(self.cluster),
                "gpus": self.gpus, "layout": asdict(self.layout), "dp": self.dp,
                "batch": self.batch, "micro_batches": self.micro_batches,
                "feasible": self.feasible, "reasons": self.reasons,
@@ -339,31 +339,32 @@ class Plan:
                 f"{self.batch} × {self.model.seq} tokens: {self.layout.describe(self.dp)}")
         if not self.time:
             return head + "\ninfeasible: " + "; ".join(self.reasons)
-        have = self.cluster.memory / GiB
-        rows = [(key, f"{value / GiB:.1f} GiB") for key, value in self.memory.items()]
-        rows.append(("total", f"{self.memory_total / GiB:.1f} of {have:.0f} GiB"))
-        parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.exposed.items() if v)
+        rows = [(key, bytes_text(value)) for key, value in self.memory.items()]
+        rows.append(("total", f"{bytes_text(self.memory_total)} of "
+                              f"{bytes_text(self.cluster.memory)}"))
+        parts = ", ".join(f"{k} {_seconds(v)}" for k, v in self.exposed.items() if v)
         times = [("compute", self.time["compute"]), ("exposed communication",
                   self.time["communication"]), ("pipeline bubble", self.time["bubble"])]
-        rows += [("", "")] + [(k, f"{v:.3f} s" + (f"  ({parts})" if k[0] == "e" and parts
-                                                  else "")) for k, v in times]
-        rows += [("step", f"{self.step:.3f} s  ({self.micro_batches} micro-batches)"),
+        rows += [("", "")] + [(k, _seconds(v) + (f"  ({parts})" if k[0] == "e" and parts
+                                                 else "")) for k, v in times]
+        rate = self.tflops_per_gpu
+        rows += [("step", f"{_seconds(self.step)}  ({self.micro_batches} micro-batches)"),
                  ("tokens/s", f"{self.tokens_per_s:,.0f}"), ("MFU", f"{self.mfu:.1%}"),
-                 ("TFLOP/s per GPU", f"{self.tflops_per_gpu:.0f} (recomputation included)")]
+                 ("FLOP/s per GPU", (f"{rate:.0f} T" if rate >= 1 else f"{rate * 1e3:.3g} G")
+                  + " (recomputation included)")]
         body = head + "\n" + format_table(rows, header=["memory per GPU", ""], rule=True)
         return body + ("\ninfeasible: " + "; ".join(self.reasons) if self.reasons else "")
+
+
+def _seconds(t: float) -> str:
+    """Seconds in the unit a reader wants: a cluster's step in s, a laptop's in ms."""
+    return f"{t:.3f} s" if t >= 1 or t == 0 else f"{t * 1e3:.3g} ms"
 
 
 def _choice(value: str, choices: tuple[str, ...], what: str) -> str:
     if value not in choices:
         raise ValueError(f"{what} {value!r}: choose one of {', '.join(choices)}")
     return value
-
-
-def _cluster_dict(cluster: Cluster) -> dict:
-    out = asdict(cluster)
-    out["intra"], out["inter"] = (asdict(cluster.intra), asdict(cluster.inter))
-    return out
 
 
 def resolve(name: str, presets: dict, what: str):
@@ -510,7 +511,7 @@ def layouts(model: Transformer, cluster: Cluster, gpus: int,
                 for zero in range(4):
                     for recompute in RECOMPUTE:
                         for micro in (1, 2, 4, 8):
-                            for v in _powers(4 if pp > 1 else 1):
+                            for v in _powers(min(4, -(-model.layers // pp)) if pp > 1 else 1):
                                 found.append(Layout(tp, pp, cp, zero, micro, v, "1f1b",
                                                     recompute, fp32))
     return found
@@ -541,18 +542,19 @@ class Search:
         best, pick = self.plans[0], self.recommended
         rows = [(i + 1, p.dp, p.layout.tp, p.layout.pp, p.layout.interleave, p.layout.cp,
                  p.layout.zero, p.layout.recompute, p.layout.micro_batch, p.micro_batches,
-                 f"{p.memory_total / GiB:.1f}", f"{p.step:.2f}", f"{p.tokens_per_s:,.0f}",
+                 bytes_text(p.memory_total), _seconds(p.step), f"{p.tokens_per_s:,.0f}",
                  f"{p.mfu:.1%}") for i, p in enumerate(self.plans[:top])]
         head = (f"{best.model.name} on {best.gpus} × {best.cluster.name}, batch "
                 f"{best.batch} × {best.model.seq} tokens: {len(self.plans)} of "
                 f"{self.tried} layouts fit; rejected: {_rejected(self.rejected)}")
         table = format_table(rows, header=["#", "DP", "TP", "PP", "v", "CP", "ZeRO",
-                                           "recompute", "mb", "m", "GiB", "step s",
+                                           "recompute", "mb", "m", "memory", "step",
                                            "tokens/s", "MFU"], rule=True,
                              align="<>>>>>><>>>>>>")
         why = (f"recommended (within {NEAR:.0%} of the fastest, the most memory to spare: "
                f"#{self.plans.index(pick) + 1}):")
-        return f"{head}\n{table}\n\n{why}\n{pick.table()}"
+        legend = "v: virtual stages a GPU; mb: sequences a micro-batch; m: micro-batches"
+        return f"{head}\n{table}\n{legend}\n\n{why}\n{pick.table()}"
 
     def as_dict(self, top: int = 5) -> dict:
         pick = self.plans.index(self.recommended) if self.plans else None
