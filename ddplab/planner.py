@@ -194,9 +194,12 @@ def _link(gb_per_s: float, latency_us: float) -> Link:
 
 # Latencies are not on datasheets: 5 µs over NVLink and 10 µs across nodes are the order
 # of nccl-tests' small-message times; the plans below barely depend on them, their
-# messages being megabytes. Efficiencies: one per GPU type, set once so that the model
-# meets the middle of the published runs of that GPU (benchmarks/planner_vs_published.py);
-# the checks then test how throughput changes from layout to layout, not its level.
+# messages being megabytes. Efficiencies: one per GPU type, set once so that predicted ÷
+# published has a geometric mean of 1 over that GPU's published runs (0.585 from Llama 3's
+# H100 runs, 0.546 from Megatron-LM's A100 runs: benchmarks/planner_vs_published.py); the
+# H200 takes the H100's (the same compute), the A100 40GB the 80GB's. The checks then test
+# how throughput changes from layout to layout, not its level. Memory: "80 GB" on these
+# datasheets is what nvidia-smi shows as about 80 GiB (81,559 MiB on an H100), so GiB.
 # Reserved: the CUDA context (~0.5 GiB), NCCL's buffers and the caching allocator's
 # fragmentation, an estimate (a few GiB is what PyTorch users see as reserved-not-allocated).
 _A100 = dict(flops=312e12, intra=_link(300, 5), inter=_link(25, 10), efficiency=0.54,
@@ -210,7 +213,7 @@ GPUS: dict[str, Cluster] = {
                     source="NVIDIA H100 datasheet; DGX H100 datasheet"),
     # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: the H100's 989 TFLOPS dense BF16,
     # 141 GB HBM3e, NVLink 900 GB/s; DGX H200: 400 Gb/s per GPU.
-    "h200": Cluster("H200 SXM 141GB", 989e12, 141e9, _link(450, 5), _link(50, 10),
+    "h200": Cluster("H200 SXM 141GB", 989e12, 141 * GiB, _link(450, 5), _link(50, 10),
                     efficiency=0.58, reserved=4 * GiB,
                     source="NVIDIA H200 datasheet; DGX H200 datasheet"),
     # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM: 312 TFLOPS dense BF16, 80 GB

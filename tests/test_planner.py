@@ -230,7 +230,7 @@ def test_bad_values_raise_naming_the_problem() -> None:
 def test_presets_cite_their_sources_and_fit_their_datasheets() -> None:
     assert all(m.source for m in MODELS.values()) and all(g.source for g in GPUS.values())
     assert GPUS["h100"].flops == 989e12 and GPUS["a100-80gb"].flops == 312e12
-    assert GPUS["a100-40gb"].memory == 40 * GiB and GPUS["h200"].memory == 141e9
+    assert GPUS["a100-40gb"].memory == 40 * GiB and GPUS["h200"].memory == 141 * GiB
     assert math.isclose(GPUS["h100"].intra.bandwidth, 450e9)
 
 
