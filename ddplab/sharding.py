@@ -36,8 +36,9 @@ from ddplab.parallel.zero import Layout, Slot, ZeroAdam
 if TYPE_CHECKING:
     from ddplab.viz import Span
 
-__all__ = ["CATEGORIES", "Comm", "Layout", "Memory", "Slot", "ZeroAdam", "comm_bytes_theory",
-           "measure_step", "playbook", "record_collectives", "spans"]
+__all__ = ["CATEGORIES", "KINDS", "Comm", "Layout", "Memory", "Slot", "ZeroAdam", "by_kind",
+           "comm_bytes_theory", "lane", "measure_step", "playbook", "record_collectives",
+           "spans"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 

@@ -14,7 +14,9 @@ from torch import nn
 from ddplab import Pool, RankError
 from ddplab.sharding import (
     CATEGORIES,
+    Layout,
     Memory,
+    Slot,
     ZeroAdam,
     comm_bytes_theory,
     measure_step,
@@ -122,6 +124,28 @@ def test_the_ledger_matches_the_playbook(pool, stage, mixed):
         assert 0 < measured["activations"] < 0.01 * sum(measured.values())
 
 
+def torch_zero_ledger() -> tuple[dict, int, list[str]]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam)
+    with record_collectives() as comms:
+        memory = measure_step(model, opt, torch.randn(1, 256))
+    return memory.as_dict(), psi(model), sorted({c.kind for c in comms})
+
+
+def test_the_ledger_counts_torchs_zero_redundancy_optimizer(pool):
+    # It gives each rank whole parameters (two of the four layers here) and their Adam states;
+    # DDP's all-reduce is C++'s, unseen; the updated parameters travel by broadcast.
+    for measured, n, kinds in pool.run(torch_zero_ledger):
+        predicted = playbook(n, 1, 2, mixed_precision=False).as_dict()
+        for category in CATEGORIES[:3]:
+            assert measured[category] == pytest.approx(predicted[category], rel=0.05)
+        assert kinds == ["broadcast"]
+
+
 def test_playbook_arithmetic():
     assert playbook(1000, 0, 4) == Memory(2000, 2000, 12000, 0)
     assert playbook(1000, 1, 4) == Memory(2000, 2000, 3000, 0)
@@ -170,6 +194,43 @@ def test_each_stage_issues_its_collectives(pool):
             assert sum(sent for *_, sent in record) == theory
 
 
+def gathered_during_a_step() -> list[list[str]]:
+    """ZeroAdam.gathered() at each unit's forward and after each phase (stage 3)."""
+    model = small_model()
+    opt = ZeroAdam(model, 3)
+    seen = [opt.gathered()]
+    for layer in model:
+        layer.register_forward_hook(lambda *_: seen.append(opt.gathered()), prepend=True)
+    x, y = batch(0)
+    loss = nn.functional.cross_entropy(model(x), y)
+    seen.append(opt.gathered())
+    loss.backward()
+    seen.append(opt.gathered())
+    opt.step()
+    seen.append(opt.states())
+    return seen
+
+
+def test_stage_3_holds_a_unit_only_while_it_is_used(pool):
+    seen = pool.run(gathered_during_a_step)[0]
+    units = ["0", "2", "4"]  # the Linear layers' places in the Sequential
+    assert seen[0] == []  # built sharded
+    # Inside each layer's forward: that unit only (the Tanh layers hold no parameters).
+    assert seen[1:6] == [["0"], [], ["2"], [], ["4"]]
+    assert seen[6:8] == [[], []]  # after forward, after backward: all freed again
+    assert seen[8] == ["shard"] * len(units)
+
+
+def test_a_layout_names_the_pieces_each_rank_owns():
+    # 10 + 5 elements on 4 ranks: padded to 16, 4 each; rank 2 owns the end of "a" and
+    # the start of "b", rank 3 the rest of "b" and one element of padding.
+    layout = Layout("u", 15, 16, (Slot("a", 0, 10, (10,)), Slot("b", 10, 5, (5,))),
+                    ((0, 4), (4, 8), (8, 12), (12, 16)))
+    assert layout.owned(0) == [("a", 0, 4)]
+    assert layout.owned(2) == [("a", 8, 10), ("b", 0, 2)]
+    assert layout.owned(3) == [("b", 2, 5)]
+
+
 def fsdp_step() -> list[tuple[str, int]]:
     from torch.distributed.fsdp import fully_shard
 
@@ -197,6 +258,28 @@ def test_fsdp2_gathers_in_forward_and_reduce_scatters_in_backward(pool):
         assert set(forward) == {"all_gather_single"} and len(forward) == 3
         assert "reduce_scatter_single" in backward
         assert set(backward) <= {"all_gather_single", "reduce_scatter_single"}
+
+
+def fsdp_parameters(reshard_after_forward: bool) -> int:
+    from torch.distributed.fsdp import fully_shard
+
+    model = small_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    return measure_step(model, torch.optim.Adam(model.parameters()), batch(0)).parameters
+
+
+def test_the_ledger_sees_fsdp2_keep_parameters_after_forward(pool):
+    # reshard_after_forward=True frees the gathered parameters after each forward (ZeRO-3):
+    # a rank holds its shards (Ψ/2, padded per tensor). False keeps them until the backward
+    # is done (ZeRO-2-like): the full Ψ as well, at the end of the forward.
+    full = psi(small_model()) * 4
+    for sharded, kept in zip(pool.run(fsdp_parameters, True), pool.run(fsdp_parameters, False),
+                             strict=True):
+        assert sharded == pytest.approx(full / 2, rel=0.05)
+        assert kept == pytest.approx(full + full / 2, rel=0.05)
 
 
 def recorder_restores_on_error() -> bool:

@@ -254,6 +254,11 @@ class ZeroAdam:
         while they are used; stages 1, 2: always)."""
         return [u.name for u in self.units if u.gathered()]
 
+    def states(self) -> list[str]:
+        """Per unit, what this rank holds of its parameters now: "full" (gathered) or
+        "shard" (only its own), in the words `viz.show_shards` takes."""
+        return ["full" if u.gathered() else "shard" for u in self.units]
+
     def holdings(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this optimizer keeps, by category, for a memory ledger: the model's
         flat buffers and (stage 3) shards, the gradient shards, the fp32 masters and Adam's
