@@ -86,6 +86,7 @@ def zero_mixed(stage: int) -> dict[str, torch.Tensor]:
     return opt.full_state_dict()
 
 
+@pytest.mark.slow
 def test_mixed_precision_stages_agree_and_stay_near_fp32_ddp(pool):
     # The three stages do the same bf16 arithmetic, so they agree as fp32 stages do. Against
     # fp32 DDP they differ by bf16's rounding of weights and gradients, amplified by Adam,
@@ -136,6 +137,7 @@ def torch_zero_ledger() -> tuple[dict, int, list[str]]:
     return memory.as_dict(), psi(model), sorted({c.kind for c in comms})
 
 
+@pytest.mark.slow  # the ranks' first use of torch's FSDP2 or ZeroRedundancyOptimizer: seconds
 def test_the_ledger_counts_torchs_zero_redundancy_optimizer(pool):
     # It gives each rank whole parameters (two of the four layers here) and their Adam states;
     # DDP's all-reduce is C++'s, unseen; the updated parameters travel by broadcast.
@@ -253,6 +255,7 @@ def fsdp_step() -> list[tuple[str, int]]:
     return [c.kind for c in comms[:forward]], [c.kind for c in comms[forward:]]
 
 
+@pytest.mark.slow  # the ranks' first use of torch's FSDP2 or ZeroRedundancyOptimizer: seconds
 def test_fsdp2_gathers_in_forward_and_reduce_scatters_in_backward(pool):
     for forward, backward in pool.run(fsdp_step):
         assert set(forward) == {"all_gather_single"} and len(forward) == 3
@@ -271,6 +274,7 @@ def fsdp_parameters(reshard_after_forward: bool) -> int:
     return measure_step(model, torch.optim.Adam(model.parameters()), batch(0)).parameters
 
 
+@pytest.mark.slow  # the ranks' first use of torch's FSDP2 or ZeroRedundancyOptimizer: seconds
 def test_the_ledger_sees_fsdp2_keep_parameters_after_forward(pool):
     # reshard_after_forward=True frees the gathered parameters after each forward (ZeRO-3):
     # a rank holds its shards (Ψ/2, padded per tensor). False keeps them until the backward
