@@ -432,7 +432,7 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     # logit layer at an end), sharded by TP, then by ZeRO over the ranks that share them.
     per_stage = math.ceil(m.layers / lay.pp)
     layer_params = m.layer_matmul_params + 2 * m.hidden
-    ends = m.embedding_params if lay.pp == 1 else m.hidden * m.vocab
+    ends = m.embedding_params + m.hidden if lay.pp == 1 else m.hidden * m.vocab
     psi = (per_stage * layer_params + ends) / lay.tp
     shard = dp * lay.cp
     in_flight = mbs if lay.schedule == "gpipe" else min(mbs, lay.pp)
