@@ -38,7 +38,7 @@ formula leaves out. The formulas:
   forward; ZeRO-3's per-micro-batch all-gathers during each micro-batch. TP's collectives
   (two forward, two backward, two more when recomputing fully) are all exposed. CP's K/V
   ring hides behind the attention it feeds. PP's point-to-point sends, one activation per
-  micro-batch each way, are counted in full: they are small.
+  micro-batch and virtual stage each way, are counted in full: they are small.
 - **Pipeline bubble** = (p − 1)/(v·m) of the pipelined work, for p stages, m micro-batches
   and v virtual stages per GPU (Narayanan et al. 2021, section 2.2).
 
@@ -195,7 +195,7 @@ def _link(gb_per_s: float, latency_us: float) -> Link:
 # Latencies are not on datasheets: 5 µs over NVLink and 10 µs across nodes are the order
 # of nccl-tests' small-message times; the plans below barely depend on them, their
 # messages being megabytes. Efficiencies: one per GPU type, set once so that predicted ÷
-# published has a geometric mean of 1 over that GPU's published runs (0.585 from Llama 3's
+# published has a geometric mean of 1 over that GPU's published runs (0.589 from Llama 3's
 # H100 runs, 0.546 from Megatron-LM's A100 runs: benchmarks/planner_vs_published.py); the
 # H200 takes the H100's (the same compute), the A100 40GB the 80GB's. The checks then test
 # how throughput changes from layout to layout, not its level. Memory: "80 GB" on these
@@ -209,12 +209,12 @@ GPUS: dict[str, Cluster] = {
     # with sparsity), 80 GB HBM3, NVLink 900 GB/s (450 each way); DGX H100 datasheet: one
     # 400 Gb/s ConnectX-7 per GPU (50 GB/s).
     "h100": Cluster("H100 SXM 80GB", 989e12, 80 * GiB, _link(450, 5), _link(50, 10),
-                    efficiency=0.58, reserved=4 * GiB,
+                    efficiency=0.59, reserved=4 * GiB,
                     source="NVIDIA H100 datasheet; DGX H100 datasheet"),
     # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: the H100's 989 TFLOPS dense BF16,
     # 141 GB HBM3e, NVLink 900 GB/s; DGX H200: 400 Gb/s per GPU.
     "h200": Cluster("H200 SXM 141GB", 989e12, 141 * GiB, _link(450, 5), _link(50, 10),
-                    efficiency=0.58, reserved=4 * GiB,
+                    efficiency=0.59, reserved=4 * GiB,
                     source="NVIDIA H200 datasheet; DGX H200 datasheet"),
     # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM: 312 TFLOPS dense BF16, 80 GB
     # HBM2e or 40 GB HBM2, NVLink 600 GB/s (300 each way); DGX A100 datasheet: eight
@@ -477,7 +477,7 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     cp_ring = 3 * (lay.cp - 1) * link(lay.tp * lay.cp).message(kv)  # forward, dK/dV back
     attention = 12 * mb_tokens * m.seq * m.hidden / lay.tp / rate  # QKᵀ and ·V, 3 passes
     cp = per_stage * mbs * max(cp_ring - attention, 0.0)
-    pp = 2 * mbs * link(group).message(act_msg / lay.tp) if lay.pp > 1 else 0.0
+    pp = 2 * mbs * lay.interleave * link(group).message(act_msg / lay.tp) if lay.pp > 1 else 0
     dp_link, grads = link(gpus), word * psi
     if lay.zero == 0:
         dp_time = _overlapped(dp_link.predict("ring", shard, grads) if shard > 1 else 0.0,
