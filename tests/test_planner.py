@@ -254,8 +254,9 @@ def test_planning_imports_no_torch() -> None:
 
 
 def test_what_if_keeps_the_preset() -> None:
-    slower = planner.with_efficiency(GPUS["h100"], 0.29)
-    assert slower.efficiency == 0.29 and GPUS["h100"].efficiency != 0.29
+    half = GPUS["h100"].efficiency / 2
+    slower = planner.with_efficiency(GPUS["h100"], half)
+    assert slower.efficiency == half and GPUS["h100"].efficiency == 2 * half
     a = plan(MODELS["llama3-8b"], GPUS["h100"], 8, Layout(zero=3, recompute="full"), 64)
     b = plan(MODELS["llama3-8b"], slower, 8, Layout(zero=3, recompute="full"), 64)
     assert b.time["compute"] == pytest.approx(a.time["compute"] * 2, rel=1e-9)
