@@ -14,11 +14,20 @@ Chapter 9b's exercises (9.3 and after) follow at the end of this file, in their 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 from collections.abc import Callable
 
-from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time, watching
+from ddplab.exercises import (
+    LOAD_TIMEOUT,
+    NotYet,
+    exercise,
+    expect,
+    ranks,
+    run_in_time,
+    watching,
+)
 
 DEADLINE = 5.0
 """Seconds an attempt may take on the ranks: a reduce-scatter of a few elements takes
@@ -207,6 +216,137 @@ def _check_case(pool, grad_shard: Callable, world_size: int, numel: int) -> None
 
 # --- 9.2 predict one rank's bytes, category by category ---
 
-# (written once chapter 9a's memory ledger is in place)
+PREDICTED = ("parameters", "gradients", "optimizer")
+"""What 9.2 predicts: the model's states. Activations depend on the batch, not the stage."""
+
+MEMORY_CASES = (("odd", 2, 0, False), ("odd", 3, 1, False), ("odd", 3, 2, False),
+                ("odd", 3, 3, False), ("odd", 2, 3, True), ("odd", 3, 1, True))
+"""(model, world size, stage, mixed precision): DDP, then each ZeRO stage on 3 ranks, where
+every unit of the "odd" model needs padding, then mixed precision (bf16 model, fp32 Adam)."""
+
+
+def memory_model(name: str):
+    """The models 9.2 predicts for: three units of 527, 1,024 and 132 parameters (527 and
+    1,024 do not divide by 3; 527 does not divide by 2)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "odd":
+        return nn.Sequential(nn.Linear(16, 31), nn.Tanh(), nn.Linear(31, 32), nn.Tanh(),
+                             nn.Linear(32, 4))
+    raise ValueError(f"no model {name!r}")
+
+
+def ledger_on_rank(name: str, stage: int, mixed_precision: bool) -> dict[str, int]:
+    """On a rank: the memory ledger of chapter 9a over one real step, for the model `name`
+    at `stage` (0: DDP with torch.optim.Adam; 1 to 3: ZeroAdam)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddplab.sharding import ZeroAdam, measure_step
+
+    model = memory_model(name)
+    if stage == 0:
+        model = DDP(model)
+        optimizer = torch.optim.Adam(model.parameters())
+    else:
+        optimizer = ZeroAdam(model, stage, mixed_precision=mixed_precision)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batch = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    return measure_step(model, optimizer, batch).as_dict()
+
+
+@functools.cache
+def _measured() -> dict[tuple, list[dict[str, int]]]:
+    """Every case of MEMORY_CASES measured on real ranks, each rank's ledger; made once."""
+    out = {}
+    with ranks(2) as two, ranks(3) as three:
+        pools = {2: two, 3: three}
+        for name, world_size, stage, mixed in MEMORY_CASES:
+            out[name, world_size, stage, mixed] = pools[world_size].run(
+                ledger_on_rank, name, stage, mixed, timeout=LOAD_TIMEOUT + 60)
+    return out
+
+
+def _describe(name: str, world_size: int, stage: int, mixed: bool) -> str:
+    what = "DDP with torch.optim.Adam" if stage == 0 else f"ZeRO-{stage}"
+    precision = "mixed precision (bf16 model, fp32 Adam)" if mixed else "fp32"
+    units = "units of 527, 1,024 and 132 parameters"
+    return f"{what} on {world_size} ranks, {precision}, for a model with {units}"
+
+
+def _units_of(model) -> list[int]:
+    """Parameters per unit (top-level child), as ZeroAdam splits them."""
+    return [n for n in (sum(p.numel() for p in child.parameters())
+                        for child in model.children()) if n]
+
+
+def _diagnose(category: str, got: int, want: int, model, world_size: int, stage: int,
+              mixed: bool) -> str:
+    """A question that points at what a wrong prediction left out, from its difference
+    to the measured bytes (padding, Adam's step counters, stage 1's own gradients)."""
+    units = _units_of(model)
+    width = 2 if mixed else 4
+    padding = sum(-n % world_size for n in units)
+    tensors = len(list(model.parameters())) if stage == 0 else len(units)
+    off = want - got
+    if stage and off == width * padding // (1 if category == "parameters" and stage < 3
+                                            else world_size) and padding:
+        return ("ZeroAdam lays each unit out as one flat buffer that splits evenly: how many "
+                f"elements does a unit of 527 parameters take on {world_size} ranks? The "
+                "ledger counts whole buffers, padding included.")
+    if category == "optimizer" and off == 4 * tensors:
+        return ("besides its two moments, what does torch.optim.Adam keep for every tensor "
+                "it updates? (Print an optimizer's state after one step.)")
+    if category == "optimizer" and stage and off == 4 * tensors + 8 * padding // world_size:
+        return ("two things: each unit's padding (how long is a shard of 527 on "
+                f"{world_size} ranks?) and what else torch.optim.Adam keeps for every tensor "
+                "it updates.")
+    if category == "gradients" and stage == 1 and got > want:
+        return ("at stage 1 the gradients have not been reduce-scattered yet when the "
+                "ledger looks: they are the model's own .grad tensors, one per parameter. "
+                "Are those padded?")
+    return ("which of parameters, gradients and optimizer states does this stage shard, "
+            "how many bytes does each element take (fp32, bf16), and what does Adam keep "
+            "per element: under mixed precision, which copy of the weights does it own?")
+
+
+@exercise("9.2", "Predict each rank's bytes, and let the ledger confirm",
+          solution="predict_bytes",
+          hint="for each category ask: is it sharded at this stage (÷N) or not, how many "
+               "bytes per element (fp32 4, bf16 2), and what exactly is stored: whole flat "
+               "buffers with their padding, and everything Adam keeps.")
+def check_predict_bytes(predict_bytes: Callable) -> str:
+    predictions = {}
+    for case in MEMORY_CASES:
+        name, world_size, stage, mixed = case
+        model = memory_model(name)
+        got = predict_bytes(model, stage, world_size, mixed)
+        expect(isinstance(got, dict) and set(PREDICTED) <= set(got),
+               f"for {_describe(*case)}, you predicted {got!r}; expected a dict of one rank's "
+               "bytes: {'parameters': ..., 'gradients': ..., 'optimizer': ...}.")
+        for category in PREDICTED:
+            expect(isinstance(got[category], int) and not isinstance(got[category], bool),
+                   f"for {_describe(*case)}, your {category} is {got[category]!r}; give "
+                   "bytes as an int.")
+        predictions[case] = got
+    measured = _measured()
+    for case, got in predictions.items():
+        name, world_size, stage, mixed = case
+        for rank, ledger in enumerate(measured[case]):
+            for category in PREDICTED:
+                if got[category] == ledger[category]:
+                    continue
+                raise NotYet(
+                    f"for {_describe(*case)}, you predicted {got[category]:,} bytes of "
+                    f"{category} per rank; the ledger measured {ledger[category]:,} on rank "
+                    f"{rank}.",
+                    _diagnose(category, got[category], ledger[category], memory_model(name),
+                              world_size, stage, mixed))
+    return (f"your bytes match the ledger's, category by category, in all {len(MEMORY_CASES)} "
+            "cases: DDP, ZeRO-1, 2 and 3, padding, Adam's step counters and mixed precision "
+            "included.")
 
 # --- chapter 9b's exercises (9.3 and after) follow here ---
