@@ -48,7 +48,23 @@ def test_no_module_is_long_enough_for_two_concerns():
 
 def test_the_names_a_learner_imports_still_import():
     from ddplab import Pool, RankError, RankTimeout, viz
+    from ddplab.parallel import ZeroAdam
     from ddplab.pool import Pool as EnginePool
+    from ddplab.sharding import (
+        CATEGORIES,
+        Comm,
+        Memory,
+        comm_bytes_theory,
+        measure_step,
+        playbook,
+        record_collectives,
+        spans,
+    )
+    from ddplab.sharding import ZeroAdam as Reexported
+
+    assert Reexported is ZeroAdam and CATEGORIES[0] == "parameters"
+    assert all(callable(f) for f in (Comm, Memory, comm_bytes_theory, measure_step, playbook,
+                                     record_collectives, spans))
 
     assert Pool is EnginePool and issubclass(RankTimeout, RankError)
     missing = [name for name in viz.__all__ if not hasattr(viz, name)]

@@ -1,0 +1,422 @@
+"""Sharded data parallelism, measured: ZeRO by hand, a memory ledger, a step's collectives.
+
+Chapter 9 asks two questions of every way of sharding a model, and this module answers both
+on a real rank, during a real step, rather than from a formula:
+
+- **Where does a rank's memory go?** `measure_step` runs one forward, backward and optimizer
+  step and counts the bytes of parameters, gradients, optimizer states and saved
+  activations that rank holds; `playbook` is the arithmetic the Ultra-Scale Playbook quotes
+  (2Ψ + 2Ψ + 12Ψ bytes for Ψ parameters with mixed-precision Adam, ÷N per ZeRO stage), to
+  set beside it.
+- **What does a rank send, and when?** `record_collectives` records every collective the
+  step issues through `torch.distributed` (kind, bytes, start and end), `comm_bytes_theory`
+  is what a ring sends per rank in theory (DDP, ZeRO-1 and ZeRO-2: 2Ψ; ZeRO-3: 3Ψ), and
+  `spans` turns the record into a timeline picture.
+
+`ZeroAdam` (ZeRO-1, 2, 3 built from `reduce_scatter_single` and `all_gather_single`) lives in
+`ddplab/parallel/zero.py`, one file a learner can read top to bottom; it is re-exported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ddplab.parallel.zero import Layout, Slot, ZeroAdam
+
+if TYPE_CHECKING:
+    from ddplab.viz import Span
+
+__all__ = ["CATEGORIES", "KINDS", "Comm", "Layout", "Memory", "Slot", "ZeroAdam", "by_kind",
+           "comm_bytes_theory", "lane", "measure_step", "playbook", "record_collectives",
+           "spans"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+
+
+@dataclass
+class Memory:
+    """Bytes on ONE rank, by category (measured by `measure_step`, or predicted by `playbook`)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    def as_dict(self) -> dict[str, int]:
+        """{category: bytes} in the order of CATEGORIES (the order pictures stack them)."""
+        return {name: getattr(self, name) for name in CATEGORIES}
+
+
+# --- the memory ledger -----------------------------------------------------------------
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory this rank holds: a DTensor's local shard (FSDP2), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the whole storage under a tensor: views of one buffer count once,
+    and count the whole buffer (its padding too)."""
+    s = _local(t).untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _optimizer_tensors(optimizer: Any) -> tuple[list, list]:
+    """(the parameters it updates, its state tensors) for a torch optimizer, including
+    ZeroRedundancyOptimizer, whose states live in its local optimizer (`.optim`)."""
+    params, states = [], []
+    for opt in (optimizer, getattr(optimizer, "optim", None)):
+        if isinstance(opt, torch.optim.Optimizer):
+            params += [p for g in opt.param_groups for p in g["params"]]
+            states += [t for s in opt.state.values() for t in s.values()
+                       if isinstance(t, torch.Tensor)]
+    return params, states
+
+
+def _holdings(model: nn.Module, optimizer: Any) -> dict[str, list[torch.Tensor]]:
+    """Every tensor the step keeps, by category. A storage found under two categories
+    counts under the first (parameters, then gradients, then optimizer): an fp32 ZeRO
+    master shard that IS the parameters' shard is a parameter, not an optimizer state."""
+    held: dict[str, list[torch.Tensor]] = {c: [] for c in CATEGORIES[:3]}
+    if hasattr(optimizer, "holdings"):  # ZeroAdam says what it keeps (masters, shards)
+        for category, tensors in optimizer.holdings().items():
+            held[category] += tensors
+    opt_params, states = _optimizer_tensors(optimizer)
+    params = [*model.parameters(), *opt_params]
+    held["parameters"] += [*params, *model.buffers()]
+    held["gradients"] += [p.grad for p in params if p.grad is not None]
+    held["optimizer"] += states
+    return held
+
+
+def _count(model: nn.Module, optimizer: Any) -> dict[str, int]:
+    seen: set[int] = set()
+    counts = dict.fromkeys(CATEGORIES[:3], 0)
+    for category, tensors in _holdings(model, optimizer).items():
+        for t in tensors:
+            address, nbytes = _storage(t)
+            if nbytes and address not in seen:
+                seen.add(address)
+                counts[category] += nbytes
+    return counts
+
+
+class _SavedBytes:
+    """Bytes of the tensors autograd saves for backward, live and at their peak, counted
+    through `torch.autograd.graph.saved_tensors_hooks`: a saved tensor is alive while the
+    graph holds what `pack` returned. Parameters (a layer saves its weight) are not
+    activations and are not counted; storages shared by several saved tensors count once."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.live, self.bytes, self.peak = model, {}, 0, 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        address, nbytes = _storage(t)
+        owned = {_storage(p)[0] for p in (*self.model.parameters(), *self.model.buffers())}
+        if not nbytes or address in owned:
+            return t
+        count, _ = self.live.get(address, (0, nbytes))
+        if count == 0:
+            self.bytes += nbytes
+            self.peak = max(self.peak, self.bytes)
+        self.live[address] = (count + 1, nbytes)
+        return _Saved(self, address, t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def release(self, address: int) -> None:
+        count, nbytes = self.live[address]
+        if count == 1:
+            del self.live[address]
+            self.bytes -= nbytes
+        else:
+            self.live[address] = (count - 1, nbytes)
+
+
+class _Saved:
+    """What autograd keeps for one saved tensor; when the graph drops it, it is released."""
+
+    def __init__(self, ledger: _SavedBytes, address: int, tensor: torch.Tensor) -> None:
+        self.ledger, self.address, self.tensor = ledger, address, tensor
+
+    def __del__(self) -> None:
+        self.ledger.release(self.address)
+
+
+def _cross_entropy(output: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    if target is None:
+        return output.float().pow(2).mean()
+    return F.cross_entropy(output.float(), target)
+
+
+def measure_step(model: nn.Module, optimizer: Any, batch: Any,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Memory:
+    """Run one real training step on this rank and count the bytes it holds, by category.
+
+    `batch` is `(inputs, target)` (the step is `loss_fn(model(inputs), target)`, by default
+    cross-entropy on the output in fp32) or just `inputs` (default loss: mean of the squared
+    output). `optimizer` is a torch optimizer (ZeroRedundancyOptimizer too) or a ZeroAdam;
+    `model` a plain module, a DDP one, or one sharded by FSDP2's `fully_shard`. The
+    gradients are set to None first (`optimizer.zero_grad()`).
+
+    What is counted, and when: parameters, gradients and optimizer states are the storages
+    reachable from the model and the optimizer (a DTensor's local shard only; views of one
+    buffer once, the whole buffer with its padding; buffers such as batch-norm statistics
+    count as parameters), counted before the forward, after it, after the backward and
+    after the step; each category reports its largest count. Activations are the bytes
+    autograd saved for backward at their peak (the end of the forward), the input batch
+    included where a layer saves it. Not counted: memory a step uses and frees inside a
+    phase (a ZeRO-3 or FSDP2 unit gathered for its forward only, one unit's full
+    gradients before they are reduce-scattered, the flat copy a collective sends),
+    temporaries never saved for backward, DDP's gradient buckets inside its C++ reducer
+    (another copy of the gradients unless `gradient_as_bucket_view=True`, which makes the
+    gradients views of the buckets, counted), and tensors torch.utils.checkpoint keeps or
+    recomputes in its own saved-tensor hooks.
+    """
+    inputs, target = batch if isinstance(batch, (tuple, list)) else (batch, None)
+    loss_fn = loss_fn or _cross_entropy
+    optimizer.zero_grad()
+    peak = _count(model, optimizer)
+
+    def sample() -> None:
+        for category, nbytes in _count(model, optimizer).items():
+            peak[category] = max(peak[category], nbytes)
+
+    saved = _SavedBytes(model)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        output = model(inputs)
+        sample()
+        loss = loss_fn(output, target)
+    loss.backward()
+    del output, loss
+    sample()
+    optimizer.step()
+    sample()
+    return Memory(peak["parameters"], peak["gradients"], peak["optimizer"], saved.peak)
+
+
+def playbook(psi: int, stage: int, world_size: int, mixed_precision: bool = True) -> Memory:
+    """The Playbook's arithmetic for Ψ = `psi` parameters on one of `world_size` ranks.
+
+    Mixed-precision Adam keeps bf16 parameters (2Ψ bytes) and gradients (2Ψ), and fp32
+    master weights and Adam's two states (12Ψ); fp32 training 4Ψ + 4Ψ + 8Ψ. Stage 0 is DDP
+    (all replicated); ZeRO-1 divides the optimizer's part by N, ZeRO-2 the gradients too,
+    ZeRO-3 the parameters too. The formula has no activations (0) and no padding.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, not {stage!r}")
+    if world_size < 1 or psi < 0:
+        raise ValueError(f"need psi >= 0 and world_size >= 1, got {psi}, {world_size}")
+    p, g, o = (2, 2, 12) if mixed_precision else (4, 4, 8)
+
+    def split(nbytes: int, from_stage: int) -> int:
+        return round(nbytes * psi / world_size) if stage >= from_stage else nbytes * psi
+
+    return Memory(split(p, 3), split(g, 2), split(o, 1), 0)
+
+
+# --- the collectives a step issues --------------------------------------------------------
+
+# kind -> (the argument whose bytes are the call's payload, what one rank sends on a ring
+# per payload byte, as a function of the world size N).
+_KINDS: dict[str, tuple[str, Callable[[int], float]]] = {
+    "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n),
+    "all_gather_single": ("output_tensor", lambda n: (n - 1) / n),
+    "all_gather_into_tensor": ("output_tensor", lambda n: (n - 1) / n),
+    "all_gather": ("tensor_list", lambda n: (n - 1) / n),
+    "reduce_scatter_single": ("input", lambda n: (n - 1) / n),
+    "reduce_scatter_tensor": ("input", lambda n: (n - 1) / n),
+    "reduce_scatter": ("input_list", lambda n: (n - 1) / n),
+    "all_to_all_single": ("input", lambda n: (n - 1) / n),
+    "broadcast": ("tensor", lambda n: (n - 1) / n),
+    "reduce": ("tensor", lambda n: (n - 1) / n),
+    "barrier": ("", lambda n: 0.0),
+}
+
+
+@dataclass
+class Comm:
+    """One collective one rank issued, as `record_collectives` saw it.
+
+    `bytes` is the payload the call was given: the tensor of an all-reduce, broadcast or
+    reduce; the OUTPUT of an all-gather (the full gathered size); the INPUT of a
+    reduce-scatter (the full size before scattering). `sent` is what this rank sends on a
+    ring for it: 2(N-1)/N of the payload for an all-reduce, (N-1)/N for the others. Times
+    are `time.monotonic()` seconds; an async op ends when its Work's `wait()` returned.
+    """
+
+    rank: int
+    kind: str
+    bytes: int
+    start: float
+    end: float
+    world_size: int = 1
+
+    @property
+    def sent(self) -> int:
+        return round(self.bytes * _KINDS[self.kind][1](self.world_size))
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return _local(value).numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class _TimedWork(dist.Work):
+    """An async collective's Work, passed through, that notes when its wait() returns
+    (a subclass, so that code checking `isinstance(work, dist.Work)` still waits on it)."""
+
+    def __init__(self, work: dist.Work, comm: Comm) -> None:
+        super().__init__()
+        self.work, self.comm = work, comm
+
+    def _done(self, *_: Any) -> None:
+        if self.comm.end != self.comm.end:  # NaN: not ended yet
+            self.comm.end = time.monotonic()
+
+    def wait(self, timeout: Any = None) -> bool:
+        result = self.work.wait() if timeout is None else self.work.wait(timeout)
+        self._done()
+        return result
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.work.is_success()
+
+    def exception(self) -> Any:
+        return self.work.exception()
+
+    def result(self) -> Any:
+        return self.work.result()
+
+    def synchronize(self) -> None:
+        self.work.synchronize()
+
+    def get_future(self) -> torch.futures.Future:
+        future = self.work.get_future()
+        future.add_done_callback(self._done)
+        return future
+
+
+@dataclass
+class record_collectives(contextlib.AbstractContextManager):
+    """Record every collective this rank issues through `torch.distributed` in the block.
+
+        with record_collectives() as comms:
+            loss.backward(); opt.step()
+        # comms: list[Comm], in the order they were issued
+
+    It replaces the module's functions (`dist.all_reduce`, `dist.all_gather_single`,
+    `dist.reduce_scatter_single`, ... every name in `KINDS`) with recording wrappers and
+    puts the originals back on exit, also on an error. What calls them through the module
+    is caught: ZeroAdam, torch's ZeroRedundancyOptimizer, FSDP2's `fully_shard` (in torch
+    2.13 its all-gather and reduce-scatter call `dist.all_gather_single` and
+    `dist.reduce_scatter_single`), DDP's Python comm hooks. What is not: collectives C++
+    issues itself, such as DDP's default bucketed all-reduce (register
+    `torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook` to see
+    them), and code that imported a function by name before the block. An async op still
+    unwaited when the block ends ends there.
+    """
+
+    comms: list[Comm] = field(default_factory=list)
+    _saved: dict[str, Callable] = field(default_factory=dict, repr=False)
+
+    def __enter__(self) -> list[Comm]:
+        for kind in _KINDS:
+            if hasattr(dist, kind):
+                self._saved[kind] = getattr(dist, kind)
+                setattr(dist, kind, self._wrap(kind, self._saved[kind]))
+        return self.comms
+
+    def __exit__(self, *exc: object) -> None:
+        for kind, original in self._saved.items():
+            setattr(dist, kind, original)
+        self._saved.clear()
+        now = time.monotonic()
+        for comm in self.comms:
+            if comm.end != comm.end:
+                comm.end = now
+
+    def _wrap(self, kind: str, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+        payload = _KINDS[kind][0]
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs).arguments
+            group = bound.get("group")
+            comm = Comm(dist.get_rank(), kind, _nbytes(bound.get(payload)), time.monotonic(),
+                        float("nan"), dist.get_world_size(group))
+            self.comms.append(comm)
+            work = original(*args, **kwargs)
+            if isinstance(work, dist.Work) and bound.get("async_op"):
+                return _TimedWork(work, comm)
+            comm.end = time.monotonic()
+            return work
+
+        recorded.__wrapped__ = original
+        return recorded
+
+
+KINDS = tuple(_KINDS)
+
+
+def comm_bytes_theory(psi_bytes: int, stage: int, world_size: int) -> int:
+    """Bytes one rank sends per step on a ring for a model of `psi_bytes` bytes of
+    parameters (as communicated: bf16 under mixed precision): stage 0 (DDP, one
+    all-reduce), 1 and 2 (reduce-scatter + all-gather) send 2Ψ(N-1)/N, stage 3 (all-gather
+    in forward and in backward, reduce-scatter) 3Ψ(N-1)/N."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, not {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, not {world_size}")
+    return round((3 if stage == 3 else 2) * psi_bytes * (world_size - 1) / world_size)
+
+
+def lane(kind: str) -> str:
+    """The timeline lane of a kind: "all_gather" for all_gather_single and its siblings."""
+    for base in ("all_gather", "reduce_scatter", "all_reduce"):
+        if kind.startswith(base):
+            return base
+    return kind
+
+
+def spans(comms: Iterable[Comm], t0: float) -> list[Span]:
+    """The record as `viz.Span`s for `viz.show_timeline`, times in seconds from `t0`, one
+    lane per kind of collective (all_gather, reduce_scatter, all_reduce, ...)."""
+    from ddplab.viz import Span
+
+    return [Span(c.rank, c.start - t0, c.end - t0, lane(c.kind), lane=lane(c.kind))
+            for c in comms]
+
+
+def by_kind(comms: Iterable[Comm]) -> Iterator[tuple[str, int, int]]:
+    """(kind, calls, payload bytes) per kind, in the order kinds first appear."""
+    totals: dict[str, list[int]] = {}
+    for c in comms:
+        t = totals.setdefault(c.kind, [0, 0])
+        t[0] += 1
+        t[1] += c.bytes
+    for kind, (calls, nbytes) in totals.items():
+        yield kind, calls, nbytes

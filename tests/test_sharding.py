@@ -1,0 +1,345 @@
+"""ddplab.sharding and ddplab.parallel.zero: ZeRO by hand against DDP + Adam, the memory
+ledger against the Playbook's arithmetic, and the collectives a step issues, recorded.
+
+Real ranks (a ddplab Pool, gloo) and real torch (DDP, FSDP2's fully_shard); nothing mocked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddplab import Pool, RankError
+from ddplab.sharding import (
+    CATEGORIES,
+    Layout,
+    Memory,
+    Slot,
+    ZeroAdam,
+    comm_bytes_theory,
+    measure_step,
+    playbook,
+    record_collectives,
+    spans,
+)
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Pool(2, timeout=60) as p:
+        yield p
+
+
+def small_model() -> nn.Module:
+    """Three units; 527 parameters in the first (odd: the flat buffer needs padding)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 31), nn.Tanh(), nn.Linear(31, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
+
+
+def psi(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A different batch on every rank and every step."""
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def train(model: nn.Module, opt, steps: int = STEPS) -> None:
+    for step in range(steps):
+        x, y = batch(step)
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def zero_vs_ddp(stage: int, mixed_precision: bool) -> float:
+    """Max |Δ| between ZeroAdam's weights and DDP + torch.optim.Adam's after STEPS steps."""
+    reference = nn.parallel.DistributedDataParallel(small_model())
+    train(reference, torch.optim.Adam(reference.parameters(), lr=1e-2))
+    model = small_model()
+    opt = ZeroAdam(model, stage, lr=1e-2, mixed_precision=mixed_precision)
+    train(model, opt)
+    ours = opt.full_state_dict()
+    theirs = reference.module.state_dict()
+    assert ours.keys() == theirs.keys()
+    return max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_gives_ddp_adams_weights(pool, stage):
+    deltas = pool.run(zero_vs_ddp, stage, False)
+    assert max(deltas) <= 1e-6, deltas
+
+
+def zero_mixed(stage: int) -> dict[str, torch.Tensor]:
+    model = small_model()
+    opt = ZeroAdam(model, stage, lr=1e-2, mixed_precision=True)
+    train(model, opt)
+    return opt.full_state_dict()
+
+
+@pytest.mark.slow
+def test_mixed_precision_stages_agree_and_stay_near_fp32_ddp(pool):
+    # The three stages do the same bf16 arithmetic, so they agree as fp32 stages do. Against
+    # fp32 DDP they differ by bf16's rounding of weights and gradients, amplified by Adam,
+    # which moves a weight by about lr per step whatever its gradient's size (so a gradient
+    # near zero whose sign bf16 flips moves it the other way): |Δ| stays under 3 steps × lr.
+    states = [pool.run(zero_mixed, stage)[0] for stage in (1, 2, 3)]
+    for other in states[1:]:
+        assert max((other[k] - states[0][k]).abs().max().item() for k in other) <= 1e-6
+    deltas = pool.run(zero_vs_ddp, 3, True)
+    assert 1e-4 < max(deltas) < STEPS * 1e-2, deltas
+
+
+def ledger(stage: int, mixed_precision: bool) -> tuple[dict, int]:
+    """Measured bytes on this rank for a model whose parameters dominate (a batch of 1)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    x = torch.randn(1, 256)
+    if stage == 0:
+        model = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.Adam(model.parameters())
+        if mixed_precision:
+            raise ValueError("no mixed-precision DDP here")
+    else:
+        opt = ZeroAdam(model, stage, mixed_precision=mixed_precision)
+    return measure_step(model, opt, x).as_dict(), psi(model)
+
+
+@pytest.mark.parametrize(("stage", "mixed"), [(0, False), (1, False), (2, False), (3, False),
+                                              (1, True), (2, True), (3, True)])
+def test_the_ledger_matches_the_playbook(pool, stage, mixed):
+    for measured, n in pool.run(ledger, stage, mixed):
+        predicted = playbook(n, stage, 2, mixed_precision=mixed).as_dict()
+        for category in CATEGORIES[:3]:
+            assert measured[category] == pytest.approx(predicted[category], rel=0.05), (
+                category, measured, predicted)
+        assert 0 < measured["activations"] < 0.01 * sum(measured.values())
+
+
+def torch_zero_ledger() -> tuple[dict, int, list[str]]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam)
+    with record_collectives() as comms:
+        memory = measure_step(model, opt, torch.randn(1, 256))
+    return memory.as_dict(), psi(model), sorted({c.kind for c in comms})
+
+
+@pytest.mark.slow  # the ranks' first use of torch's FSDP2 or ZeroRedundancyOptimizer: seconds
+def test_the_ledger_counts_torchs_zero_redundancy_optimizer(pool):
+    # It gives each rank whole parameters (two of the four layers here) and their Adam states;
+    # DDP's all-reduce is C++'s, unseen; the updated parameters travel by broadcast.
+    for measured, n, kinds in pool.run(torch_zero_ledger):
+        predicted = playbook(n, 1, 2, mixed_precision=False).as_dict()
+        for category in CATEGORIES[:3]:
+            assert measured[category] == pytest.approx(predicted[category], rel=0.05)
+        assert kinds == ["broadcast"]
+
+
+def test_playbook_arithmetic():
+    assert playbook(1000, 0, 4) == Memory(2000, 2000, 12000, 0)
+    assert playbook(1000, 1, 4) == Memory(2000, 2000, 3000, 0)
+    assert playbook(1000, 2, 4) == Memory(2000, 500, 3000, 0)
+    assert playbook(1000, 3, 4, mixed_precision=False) == Memory(1000, 1000, 2000, 0)
+    assert playbook(1000, 3, 4).total == 16000 // 4
+    assert comm_bytes_theory(1000, 0, 4) == comm_bytes_theory(1000, 2, 4) == 1500
+    assert comm_bytes_theory(1000, 3, 4) == 2250
+    with pytest.raises(ValueError, match="stage must be"):
+        playbook(1, 4, 2)
+    with pytest.raises(ValueError, match="stage must be"):
+        comm_bytes_theory(1, -1, 2)
+
+
+def recorded_step(stage: int) -> list[tuple[str, int, int]]:
+    """(kind, payload bytes, ring bytes sent) of every collective one ZeroAdam step issues,
+    and the theory's total for the padded model."""
+    model = small_model()
+    opt = ZeroAdam(model, stage)
+    x, y = batch(0)
+    with record_collectives() as comms:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert all(c.start <= c.end for c in comms)
+    padded = sum(layout.padded for layout in opt.shard_of()) * 4
+    theory = comm_bytes_theory(padded, stage, dist.get_world_size())
+    return [(c.kind, c.bytes, c.sent) for c in comms], theory
+
+
+def test_each_stage_issues_its_collectives(pool):
+    unit = [528 * 4, 1024 * 4, 132 * 4]  # each unit's flat buffer, padded, fp32
+    expected = {
+        1: [("reduce_scatter_single", b) for b in unit] + [("all_gather_single", b) for b in unit],
+        # Stage 2 reduce-scatters each unit as its backward ends: the last unit first.
+        2: [("reduce_scatter_single", b) for b in reversed(unit)]
+           + [("all_gather_single", b) for b in unit],
+        # Stage 3 gathers each unit for its forward, again for its backward, and
+        # reduce-scatters it after.
+        3: [("all_gather_single", b) for b in unit]
+           + [x for b in reversed(unit)
+              for x in (("all_gather_single", b), ("reduce_scatter_single", b))],
+    }
+    for stage, kinds in expected.items():
+        for record, theory in pool.run(recorded_step, stage):
+            assert [(kind, nbytes) for kind, nbytes, _ in record] == kinds, stage
+            assert sum(sent for *_, sent in record) == theory
+
+
+def gathered_during_a_step() -> list[list[str]]:
+    """ZeroAdam.gathered() at each unit's forward and after each phase (stage 3)."""
+    model = small_model()
+    opt = ZeroAdam(model, 3)
+    seen = [opt.gathered()]
+    for layer in model:
+        layer.register_forward_hook(lambda *_: seen.append(opt.gathered()), prepend=True)
+    x, y = batch(0)
+    loss = nn.functional.cross_entropy(model(x), y)
+    seen.append(opt.gathered())
+    loss.backward()
+    seen.append(opt.gathered())
+    opt.step()
+    seen.append(opt.states())
+    return seen
+
+
+def test_stage_3_holds_a_unit_only_while_it_is_used(pool):
+    seen = pool.run(gathered_during_a_step)[0]
+    units = ["0", "2", "4"]  # the Linear layers' places in the Sequential
+    assert seen[0] == []  # built sharded
+    # Inside each layer's forward: that unit only (the Tanh layers hold no parameters).
+    assert seen[1:6] == [["0"], [], ["2"], [], ["4"]]
+    assert seen[6:8] == [[], []]  # after forward, after backward: all freed again
+    assert seen[8] == ["shard"] * len(units)
+
+
+def test_a_layout_names_the_pieces_each_rank_owns():
+    # 10 + 5 elements on 4 ranks: padded to 16, 4 each; rank 2 owns the end of "a" and
+    # the start of "b", rank 3 the rest of "b" and one element of padding.
+    layout = Layout("u", 15, 16, (Slot("a", 0, 10, (10,)), Slot("b", 10, 5, (5,))),
+                    ((0, 4), (4, 8), (8, 12), (12, 16)))
+    assert layout.owned(0) == [("a", 0, 4)]
+    assert layout.owned(2) == [("a", 8, 10), ("b", 0, 2)]
+    assert layout.owned(3) == [("b", 2, 5)]
+
+
+def fsdp_step() -> list[tuple[str, int]]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = small_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters())
+    x, y = batch(0)
+    with record_collectives() as comms:
+        out = model(x)
+        forward = len(comms)
+        nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+    memory = measure_step(model, opt, (x, y))
+    assert memory.parameters < 4 * psi(small_model())  # shards (a little padding) + Ψ
+    lanes = {s.lane for s in spans(comms, comms[0].start)}
+    assert lanes == {"all_gather", "reduce_scatter"}
+    return [c.kind for c in comms[:forward]], [c.kind for c in comms[forward:]]
+
+
+@pytest.mark.slow  # the ranks' first use of torch's FSDP2 or ZeroRedundancyOptimizer: seconds
+def test_fsdp2_gathers_in_forward_and_reduce_scatters_in_backward(pool):
+    for forward, backward in pool.run(fsdp_step):
+        assert set(forward) == {"all_gather_single"} and len(forward) == 3
+        assert "reduce_scatter_single" in backward
+        assert set(backward) <= {"all_gather_single", "reduce_scatter_single"}
+
+
+def fsdp_parameters(reshard_after_forward: bool) -> int:
+    from torch.distributed.fsdp import fully_shard
+
+    model = small_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    return measure_step(model, torch.optim.Adam(model.parameters()), batch(0)).parameters
+
+
+@pytest.mark.slow  # the ranks' first use of torch's FSDP2 or ZeroRedundancyOptimizer: seconds
+def test_the_ledger_sees_fsdp2_keep_parameters_after_forward(pool):
+    # reshard_after_forward=True frees the gathered parameters after each forward (ZeRO-3):
+    # a rank holds its shards (Ψ/2, padded per tensor). False keeps them until the backward
+    # is done (ZeRO-2-like): the full Ψ as well, at the end of the forward.
+    full = psi(small_model()) * 4
+    for sharded, kept in zip(pool.run(fsdp_parameters, True), pool.run(fsdp_parameters, False),
+                             strict=True):
+        assert sharded == pytest.approx(full / 2, rel=0.05)
+        assert kept == pytest.approx(full + full / 2, rel=0.05)
+
+
+def recorder_restores_on_error() -> bool:
+    original = dist.all_reduce
+    with pytest.raises(ZeroDivisionError), record_collectives():
+        assert dist.all_reduce is not original
+        raise ZeroDivisionError
+    return dist.all_reduce is original
+
+
+def async_op_ends_at_wait() -> tuple[bool, bool]:
+    with record_collectives() as comms:
+        work = dist.all_reduce(torch.ones(1000), async_op=True)
+        unfinished = comms[0].end != comms[0].end
+        work.wait()
+    return unfinished, isinstance(work, dist.Work) and comms[0].end >= comms[0].start
+
+
+def test_the_recorder_restores_dist_and_times_async_ops(pool):
+    assert pool.run(recorder_restores_on_error) == [True, True]
+    assert pool.run(async_op_ends_at_wait) == [(True, True)] * 2
+
+
+def bad_input(case: str) -> None:
+    model = small_model()
+    if case == "stage":
+        ZeroAdam(model, 4)
+    elif case == "dtype":
+        ZeroAdam(model.double(), 1)
+    elif case == "ddp":
+        ZeroAdam(nn.parallel.DistributedDataParallel(model), 1)
+    elif case == "step":
+        ZeroAdam(model, 2).step()
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("stage", "stage must be 1, 2 or 3"), ("dtype", "fp32 model"),
+    ("ddp", "pass the bare model"), ("step", "call loss.backward"),
+])
+def test_bad_input_is_named(pool, case, message):
+    with pytest.raises(RankError, match=message):
+        pool.run(bad_input, case)
+
+
+def test_no_process_group_is_named():
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        ZeroAdam(small_model(), 1)
+
+
+@pytest.mark.slow
+def test_four_ranks_divide_by_four():
+    with Pool(4, timeout=60) as four:
+        for stage in (1, 2, 3):
+            for measured, n in four.run(ledger, stage, True):
+                predicted = playbook(n, stage, 4).as_dict()
+                for category in CATEGORIES[:3]:
+                    assert measured[category] == pytest.approx(predicted[category], rel=0.05)
+        for record, theory in four.run(recorded_step, 3):
+            assert sum(sent for *_, sent in record) == theory
