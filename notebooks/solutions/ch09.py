@@ -41,3 +41,6 @@ def predict_bytes(model, stage, world_size, mixed_precision=False):
     per_element = 12 if mixed_precision else 8  # (+ master copy) + exp_avg + exp_avg_sq
     optimizer = per_element * sum(shards) + 4 * len(units)  # + a step counter per master
     return {"parameters": params, "gradients": grads, "optimizer": optimizer}
+
+
+# --- chapter 9b's solutions (exercises 9.3 and after) follow here ---
