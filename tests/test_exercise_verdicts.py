@@ -1015,11 +1015,126 @@ CHAPTER_3 = [
 ]
 
 
+# --- chapter 9: typical wrong attempts and the verdict each gets ---
+
+def _padded(flat_grad):
+    """9.x: the flat gradient padded with zeros to a multiple of the world size."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    size = -(-flat_grad.numel() // n)
+    return torch.cat([flat_grad, flat_grad.new_zeros(size * n - flat_grad.numel())]), size
+
+
+def _all_reduce_then_slice(flat_grad):
+    """9.1, wrong: the right values, but the whole gradient averaged on every rank."""
+    import torch.distributed as dist
+
+    padded, size = _padded(flat_grad)
+    dist.all_reduce(padded, op=dist.ReduceOp.AVG)
+    rank = dist.get_rank()
+    return padded[rank * size:(rank + 1) * size]
+
+
+def _summed_shard(flat_grad):
+    """9.1, wrong: reduce-scatters with the default SUM and never divides."""
+    import torch.distributed as dist
+
+    padded, size = _padded(flat_grad)
+    shard = flat_grad.new_empty(size)
+    dist.reduce_scatter_single(shard, padded)
+    return shard
+
+
+def _shards_in_reverse(flat_grad):
+    """9.1, wrong: shards laid out in reverse rank order before the reduce-scatter."""
+    import torch.distributed as dist
+
+    padded, size = _padded(flat_grad)
+    reordered = padded.view(dist.get_world_size(), size).flip(0).reshape(-1)
+    shard = flat_grad.new_empty(size)
+    dist.reduce_scatter_single(shard, reordered, op=dist.ReduceOp.AVG)
+    return shard
+
+
+def _unpadded_shard(flat_grad):
+    """9.1, wrong: numel // world_size elements and no padding: fails where it does not divide."""
+    import torch.distributed as dist
+
+    shard = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size())
+    dist.reduce_scatter_single(shard, flat_grad, op=dist.ReduceOp.AVG)
+    return shard
+
+
+def _right_bytes(model, stage, world_size, mixed_precision=False):
+    """9.2, the rule the chapter's ledger follows (the instructors' solution's), for the rows
+    below to change one thing at a time."""
+    n, width = world_size, 2 if mixed_precision else 4
+    if stage == 0:
+        psi = sum(p.numel() for p in model.parameters())
+        return {"parameters": 4 * psi, "gradients": 4 * psi,
+                "optimizer": 8 * psi + 4 * len(list(model.parameters()))}
+    units = [u for u in (sum(p.numel() for p in c.parameters()) for c in model.children()) if u]
+    shards = [-(-u // n) for u in units]
+    return {"parameters": width * (sum(shards) if stage == 3 else n * sum(shards)),
+            "gradients": width * (sum(units) if stage == 1 else sum(shards)),
+            "optimizer": (12 if mixed_precision else 8) * sum(shards) + 4 * len(units)}
+
+
+def _playbook_bytes(model, stage, world_size, mixed_precision=False):
+    """9.2, wrong: the Playbook's round numbers, 4Ψ + 4Ψ + 8Ψ divided by N per stage."""
+    psi = sum(p.numel() for p in model.parameters())
+    p, g, o = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    return {"parameters": p * psi // (world_size if stage >= 3 else 1),
+            "gradients": g * psi // (world_size if stage >= 2 else 1),
+            "optimizer": o * psi // (world_size if stage >= 1 else 1)}
+
+
+def _no_padding_bytes(model, stage, world_size, mixed_precision=False):
+    """9.2, wrong: right but for ZeroAdam's padding of each unit."""
+    right = _right_bytes(model, stage, world_size, mixed_precision)
+    if stage:
+        psi, width = sum(p.numel() for p in model.parameters()), 2 if mixed_precision else 4
+        right["parameters"] = width * psi // (world_size if stage == 3 else 1)
+    return right
+
+
+def _padded_stage_1_gradients(model, stage, world_size, mixed_precision=False):
+    """9.2, wrong: at stage 1 counts the gradients as a padded flat buffer."""
+    right = _right_bytes(model, stage, world_size, mixed_precision)
+    if stage == 1:
+        right["gradients"] = right["parameters"]
+    return right
+
+
+CHAPTER_9 = [
+    ("9.1", _all_reduce_then_slice, "with 2 ranks and a gradient of 12 elements, the values "
+     "are right, but rank 0's calls (all_reduce) bring 48 bytes", "which single collective"),
+    ("9.1", _summed_shard, "with 2 ranks and a gradient of 12 elements, rank 0's shard is 2×",
+     "which ReduceOp"),
+    ("9.1", _shards_in_reverse, "with 2 ranks and a gradient of 12 elements, rank 0 returned "
+     "rank 1's shard", "which shard of its input"),
+    ("9.1", _unpadded_shard, "with 3 ranks and a gradient of 10 elements, a call refused your "
+     "sizes", "What can you append"),
+    ("9.2", _playbook_bytes, "for DDP with torch.optim.Adam on 2 ranks, fp32, for a model with "
+     "units of 527, 1,024 and 132 parameters, you predicted 13,464 bytes of optimizer",
+     "what does torch.optim.Adam keep"),
+    ("9.2", _no_padding_bytes, "for ZeRO-1 on 3 ranks, fp32, for a model with units of 527, "
+     "1,024 and 132 parameters, you predicted 6,732 bytes of parameters", "padding included"),
+    ("9.2", _padded_stage_1_gradients, "for ZeRO-1 on 3 ranks, fp32, for a model with units "
+     "of 527, 1,024 and 132 parameters, you predicted 6,744 bytes of gradients",
+     "the model's own .grad tensors"),
+]
+
+# (chapter 9b's rows, for exercises 9.3 and after, go in a list of their own here)
+
+
 # Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
 @pytest.mark.parametrize("exercise_id, attempt, message, hint",
                          CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4A
                          + CHAPTER_4B + CHAPTER_5 + CHAPTER_6
-                         + CHAPTER_7 + CHAPTER_8)
+                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed
