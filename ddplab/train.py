@@ -1,4 +1,4 @@
-"""DDP on MNIST: one training module that runs unchanged under every launcher.
+"""DDP (or ZeRO-1, or FSDP) on MNIST: one training module that runs unchanged under every launcher.
 
 In a notebook, on a ddplab pool (its process group is reused):
 
@@ -14,6 +14,7 @@ From a shell (`--batch-size` is per rank; `--out DIR` writes DIR/checkpoint.pt):
         --master_addr=127.0.0.1 --master_port=29500 -m ddplab.train   # ... and "node" 1
     srun --ntasks=2 python -m ddplab.train                        # Slurm
     mpirun -np 2 python -m ddplab.train                           # OpenMPI
+    torchrun --standalone --nproc_per_node=2 -m ddplab.train --strategy fsdp   # sharded
 
 The four classic steps are all here, in order: join the process group
 (`launch.init_process_group`), give each rank its share of the data
@@ -27,6 +28,15 @@ weights of an uninterrupted run: every rank runs `threads` CPU threads (the thre
 changes the order of float sums), data order comes from the sampler's seed and epoch, and
 the checkpoint holds the optimizer and RNG states. On GPUs, cuDNN's convolution kernels
 are not deterministic by default, so runs agree only up to float rounding there.
+
+`--strategy` (`wrap` below) shares the model out in one of three ways, trained alike:
+`ddp`, every rank holding everything; `zero1`, Adam's state sharded; `fsdp`, the weights,
+gradients and Adam's state sharded. With the same seed and world size on the CPU, `zero1`
+gives `ddp`'s weights bit for bit (Adam is elementwise: updating a shard is updating those
+elements), and `fsdp` gives them up to the order of the sums that average the gradients:
+bit for bit with 2 ranks (a + b == b + a), and with 3 a max |Δ| of 1.7e-6 after an epoch
+of 600 digits (tests/test_train.py prints it). The checkpoint is the same for every
+strategy but the optimizer's layout, so a run resumes with the strategy that wrote it.
 """
 
 from __future__ import annotations
