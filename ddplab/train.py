@@ -33,10 +33,12 @@ are not deterministic by default, so runs agree only up to float rounding there.
 `ddp`, every rank holding everything; `zero1`, Adam's state sharded; `fsdp`, the weights,
 gradients and Adam's state sharded. With the same seed and world size on the CPU, `zero1`
 gives `ddp`'s weights bit for bit (Adam is elementwise: updating a shard is updating those
-elements), and `fsdp` gives them up to the order of the sums that average the gradients:
-bit for bit with 2 ranks (a + b == b + a), and with 3 a max |Δ| of 1.7e-6 after an epoch
-of 600 digits (tests/test_train.py prints it). The checkpoint is the same for every
-strategy but the optimizer's layout, so a run resumes with the strategy that wrote it.
+elements), and `fsdp` gives them up to the rounding of the gradients' average (DDP divides
+each rank's gradient by N, then adds; FSDP's reduce-scatter adds, then divides): bit for
+bit with 2 ranks (a/2 + b/2 == (a + b)/2 == (b + a)/2: halving is exact), and with 3 a
+max |Δ| of 1.7e-6 after an epoch of 600 digits (tests/test_train.py prints it). The
+checkpoint is the same for every strategy but the optimizer's layout, so a run resumes with
+the strategy that wrote it.
 """
 
 from __future__ import annotations

@@ -170,8 +170,8 @@ def strategy_runs(small_mnist, tmp_path_factory) -> dict[str, tuple[list, Path]]
 @pytest.mark.parametrize("strategy", SHARDED)
 def test_on_2_ranks_zero1_and_fsdp_give_ddps_very_weights(strategy, strategy_runs, pool_run):
     """Bit for bit: Adam is elementwise, so updating a shard is updating those elements, and
-    with 2 ranks every gradient is one sum of two terms (a + b == b + a), however the
-    all-reduce or the reduce-scatter orders them; the halving is exact."""
+    with 2 ranks DDP's average of the gradients (a/2 + b/2) and FSDP's ((a + b)/2, its
+    reduce-scatter's AVG) round alike: halving is exact, and a + b == b + a."""
     results, _ = strategy_runs[strategy]
     ddp = pool_run[0][0]
     assert same_weights(results[0]["model"], results[1]["model"])  # whole tensors, every rank
@@ -183,8 +183,8 @@ def test_on_2_ranks_zero1_and_fsdp_give_ddps_very_weights(strategy, strategy_run
 
 def test_on_3_ranks_fsdp_gives_ddps_weights_up_to_summation_order(small_mnist):
     """With 3 ranks DDP divides each rank's gradient by 3 and all-reduces; FSDP's
-    reduce-scatter adds and divides in an order of its own: the weights differ in their last
-    bits (measured: 1.7e-6 after 2 epochs, 5.9e-8 after 1 on 4 ranks). Adam can turn a
+    reduce-scatter adds, then divides: the weights differ in their last bits (measured here:
+    1.69e-6; after 2 epochs 1.69e-6 too, and 5.9e-8 after 1 epoch on 4 ranks). Adam can turn a
     rounding difference in a gradient near zero into up to lr (2e-3) in one step, hence the
     looser bound. Test accuracy counts digits: it may differ by a digit near the boundary."""
     with Pool(3) as pool:
