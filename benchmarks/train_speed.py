@@ -1,13 +1,15 @@
 """Does training in the pool cost more than under torchrun? An epoch, side by side.
 
     python benchmarks/train_speed.py [--world-size 2] [--repeats 3] [--epochs 2]
+                                     [--strategy ddp|zero1|fsdp]
 
 The same `ddplab.train.train` (same seed, data, world size, per-rank batch and threads)
 runs in a ddplab Pool and under `torchrun --standalone`, alternating, `--repeats` times
 each. Each run reports, from rank 0, the seconds of every epoch's training loop (data
 order, forward, backward with DDP's all-reduces, optimizer step; start-up and evaluation
-excluded, as they are the same work either way). The first epoch of a run warms caches,
-so the figure compared is the median of the later epochs.
+excluded, as they are the same work either way), with DDP or, with `--strategy`, ZeRO-1 or
+FSDP (`benchmarks/fsdp_step.py` times FSDP's steps one by one). The first epoch of a run
+warms caches, so the figure compared is the median of the later epochs.
 
 The goal: the pool costs at most 1.05× torchrun's time for an epoch. Both are also checked
 to end with the very same weights, so they did the same work.
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ddplab.pool import Pool
-from ddplab.train import CHECKPOINT, Config, train
+from ddplab.train import CHECKPOINT, STRATEGIES, Config, train
 
 
 def pool_run(world_size: int, cfg: Config) -> tuple[list[float], dict]:
@@ -44,7 +46,8 @@ def torchrun_run(world_size: int, cfg: Config) -> tuple[list[float], dict]:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={world_size}", "-m", "ddplab.train",
                         f"--epochs={cfg.epochs}", f"--batch-size={cfg.batch_size}",
-                        f"--seed={cfg.seed}", f"--threads={cfg.threads}", f"--out={out}"],
+                        f"--seed={cfg.seed}", f"--threads={cfg.threads}",
+                        f"--strategy={cfg.strategy}", f"--out={out}"],
                        check=True, capture_output=True, timeout=600,
                        env=dict(os.environ, TMPDIR=out))
         state = torch.load(Path(out) / CHECKPOINT)
@@ -56,8 +59,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     args = parser.parse_args()
-    cfg = Config(epochs=args.epochs)
+    cfg = Config(epochs=args.epochs, strategy=args.strategy)
     samples: dict[str, list[float]] = {"pool": [], "torchrun": []}
     weights = {}
     started = time.perf_counter()
@@ -69,7 +73,7 @@ def main() -> None:
                   flush=True)
     same = all(torch.equal(weights["pool"][k], weights["torchrun"][k]) for k in weights["pool"])
     pool_s, torchrun_s = (statistics.median(samples[k]) for k in ("pool", "torchrun"))
-    print(f"\nworld size {args.world_size}, per-rank batch {cfg.batch_size}, "
+    print(f"\n{cfg.strategy}, world size {args.world_size}, per-rank batch {cfg.batch_size}, "
           f"{cfg.threads} thread per rank, {args.repeats} runs × {args.epochs} epochs each "
           f"({time.perf_counter() - started:.0f} s in all)")
     print("| measurement | medians | ratio |")

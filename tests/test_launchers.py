@@ -8,7 +8,8 @@ a one-node Slurm cluster (conftest's `slurm`) answering `srun` and `sbatch` and 
 process or file behind when stopped; torchrun as two nodes of one job, checked by
 assertions rather than by output; and bad input ending in a clear message, never in a
 hang (a node rank out of range, a world larger than the data, a batch script without
-srun, a taken port). A last test checks that every script in notebooks/launchers is run
+srun, a taken port); and `--strategy fsdp` under torchrun and mpirun ending with the
+pool's weights, bit for bit. A last test checks that every script in notebooks/launchers is run
 here or by a chapter, so none of them rots.
 
 Commands run from notebooks/launchers with this venv first on PATH and TMPDIR in the
@@ -36,12 +37,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from ddplab import slurm as local_slurm
 from ddplab.data import save_subset
 from ddplab.launch import free_port
+from ddplab.pool import Pool
 from ddplab.pool.rendezvous import is_per_process
 from ddplab.slurm import LocalSlurm, SlurmError
+from ddplab.train import CHECKPOINT, Config, train
 
 pytestmark = pytest.mark.launchers
 
@@ -204,6 +208,23 @@ def _two_nodes(folder: Path, tiny: Path, rdzv: str) -> tuple[list[Done], Path]:
 def run_static(folder: Path, tiny: Path) -> tuple[list[Done], Path]:
     """torchrun_node.sh as two nodes, the static rendezvous (node ranks given)."""
     return _two_nodes(folder, tiny, "static")
+
+
+@background
+def run_fsdp_torchrun(folder: Path, tiny: Path) -> tuple[Done, Path]:
+    """torchrun_one_node.sh (2 processes) with --strategy fsdp."""
+    out = folder / "out"
+    return run(["./torchrun_one_node.sh", *train_args(tiny, out), "--strategy", "fsdp"],
+               environment(folder)), out
+
+
+@background
+def run_fsdp_mpirun(folder: Path, tiny: Path) -> tuple[Done, Path]:
+    """mpirun.sh (NP=2) with --strategy fsdp."""
+    require_mpirun()
+    out = folder / "out"
+    return run(["./mpirun.sh", *train_args(tiny, out), "--strategy", "fsdp"],
+               environment(folder, MASTER_PORT=str(free_port()))), out
 
 
 @background
@@ -399,6 +420,26 @@ def test_every_script_is_run_by_a_test_or_a_chapter():
     scripts = sorted(path.name for path in LAUNCHERS.iterdir() if path.is_file())
     assert len(scripts) >= 12, scripts
     assert [name for name in scripts if name not in sources] == []
+
+
+@pytest.fixture(scope="module")
+def pool_fsdp(tiny) -> dict[str, torch.Tensor]:
+    """The weights of 1 epoch of fsdp on `tiny` in a Pool(2), as train_args asks the others."""
+    with Pool(2, quiet=True) as pool:
+        return pool.run(train, Config(epochs=1, data=str(tiny), strategy="fsdp"))[0]["model"]
+
+
+@pytest.mark.parametrize("run_name", ["fsdp_torchrun", "fsdp_mpirun"])
+def test_fsdp_under_torchrun_and_mpirun_gives_the_pools_weights_bit_for_bit(run_name, runs,
+                                                                            pool_fsdp):
+    """FSDP2 on gloo is as deterministic as DDP: the same world size, seed and data give the
+    same weights whoever started the ranks."""
+    done, out = runs.result(run_name)
+    assert done.returncode == 0, done
+    state = torch.load(out / CHECKPOINT)
+    assert state["config"]["strategy"] == "fsdp" and state["world_size"] == 2
+    assert state["model"].keys() == pool_fsdp.keys()
+    assert all(torch.equal(state["model"][k], pool_fsdp[k]) for k in pool_fsdp)
 
 
 def test_torchrun_node_refuses_a_node_rank_outside_nnodes(tmp_path):

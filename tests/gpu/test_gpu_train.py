@@ -78,3 +78,28 @@ def test_gloo_is_refused_on_an_nccl_pool_naming_the_fix(gpus):
             pytest.raises(RankError, match=r"pass Config\(backend='nccl'\)"):
         pool.run(train, Config(backend="gloo", epochs=1))
 
+
+
+def test_fsdp_on_nccl_trains_checkpoints_whole_weights_and_resumes(python, tmp_path):
+    """`--strategy fsdp` on one GPU: fully_shard on a CUDA mesh of world size 1, the shards
+    gathered to whole CPU tensors in the checkpoint, and a resume that cuts them again."""
+    out = tmp_path / "fsdp"
+    done = python(*torchrun(1), "--strategy", "fsdp", "--epochs", "1", "--out", str(out),
+                  timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "done: 1 rank (torchrun)" in done.stdout, done.stdout
+
+    state = load(out)
+    assert state["config"]["strategy"] == "fsdp" and state["config"]["backend"] == "nccl"
+    assert not any(key.startswith("module.") for key in state["model"])
+    Net().load_state_dict(state["model"])  # whole tensors, not shards
+    adam = state["optimizer"]["state"]
+    assert all(adam[k]["exp_avg"].shape == state["model"][k].shape for k in state["model"])
+    assert state["history"][0]["test_accuracy"] > 0.8, state["history"]
+
+    resumed = python(*torchrun(1), "--strategy", "fsdp", "--epochs", "2", "--out", str(out),
+                     "--resume", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "epoch 1/2" not in resumed.stdout and "epoch 2/2" in resumed.stdout
+    again = load(out)
+    assert again["epoch"] == 2 and again["history"][0] == state["history"][0]
