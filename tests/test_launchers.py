@@ -8,8 +8,8 @@ a one-node Slurm cluster (conftest's `slurm`) answering `srun` and `sbatch` and 
 process or file behind when stopped; torchrun as two nodes of one job, checked by
 assertions rather than by output; and bad input ending in a clear message, never in a
 hang (a node rank out of range, a world larger than the data, a batch script without
-srun, a taken port); and `--strategy fsdp` under torchrun and mpirun ending with the
-pool's weights, bit for bit. A last test checks that every script in notebooks/launchers is run
+srun, a taken port); and `--strategy fsdp` under torchrun, mpirun and srun ending with
+the pool's weights, bit for bit. A last test checks that every script in notebooks/launchers is run
 here or by a chapter, so none of them rots.
 
 Commands run from notebooks/launchers with this venv first on PATH and TMPDIR in the
@@ -169,12 +169,6 @@ def run_together(commands: list[tuple[list[str], dict[str, str]]],
 def train_args(data: Path, out: Path, epochs: int = 1) -> list[str]:
     """ddplab.train's options for a quick run on `data` that writes out/checkpoint.pt."""
     return ["--epochs", str(epochs), "--data", str(data), "--out", str(out)]
-
-
-
-
-
-
 
 
 def json_lines(text: str) -> list[dict]:
@@ -439,6 +433,20 @@ def test_fsdp_under_torchrun_and_mpirun_gives_the_pools_weights_bit_for_bit(run_
     state = torch.load(out / CHECKPOINT)
     assert state["config"]["strategy"] == "fsdp" and state["world_size"] == 2
     assert state["model"].keys() == pool_fsdp.keys()
+    assert all(torch.equal(state["model"][k], pool_fsdp[k]) for k in pool_fsdp)
+
+
+def test_fsdp_under_srun_gives_the_pools_weights_bit_for_bit(cluster, tiny, tmp_path,
+                                                              pool_fsdp):
+    """The third launcher of `--strategy fsdp`: Slurm's srun starts both ranks, detect()
+    reads SLURM_PROCID, and the weights are the pool's again."""
+    out = tmp_path / "out"
+    done = run(["srun", "--ntasks=2", sys.executable, "-m", "ddplab.train",
+                *train_args(tiny, out), "--strategy", "fsdp"],
+               environment(tmp_path, SLURM_CONF=str(cluster.conf)))
+    assert done.returncode == 0, done
+    state = torch.load(out / CHECKPOINT)
+    assert state["config"]["strategy"] == "fsdp" and state["world_size"] == 2
     assert all(torch.equal(state["model"][k], pool_fsdp[k]) for k in pool_fsdp)
 
 
