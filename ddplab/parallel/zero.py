@@ -29,7 +29,8 @@ shard; unlike stage 2 it still holds the full gradients until the step.)
 mixed_precision=True keeps the model's parameters and gradients in bf16 (2Ψ + 2Ψ bytes) and
 the fp32 master shard with Adam's two fp32 states in the optimizer (12Ψ, split N ways): the
 Playbook's 2Ψ + 2Ψ + 12Ψ. With False everything is fp32: 4Ψ + 4Ψ + 8Ψ (the master shard is
-then the parameters' own shard, not a copy).
+then the parameters' own shard, not a copy). Floating buffers (batch-norm statistics) are cast to
+bf16 too, so that a layer meets one dtype (see `ZeroAdam.__init__` for the price).
 
 Two things a learner meets at stage 3. Between uses a unit's parameters point at freed
 memory, so reading them (`print(model[0].weight)`) fails with an error about a storage of
@@ -245,7 +246,9 @@ class ZeroAdam:
     Call it like a torch optimizer: `loss.backward(); opt.step(); opt.zero_grad()`. Every
     rank must build it over the same model (same architecture and initial weights: the
     starting weights are taken as they are, not broadcast), use the same parameters in its
-    forward, and call `step()`.
+    forward, and call `step()`. It changes the model in place (parameters become views of
+    flat buffers, hooks are added) and marks it: one ZeroAdam per model at a time;
+    `remove()` hands the model back. At stage 3 read weights inside `gathered_weights()`.
     """
 
     def __init__(self, model: nn.Module, stage: int, *, lr: float = 1e-3,
