@@ -60,7 +60,9 @@ def measure(strategy: str, batch: int, mixed: bool) -> dict[str, int]:
     x = torch.randn(batch, 512, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 512, (batch,), generator=torch.Generator().manual_seed(2))
     if strategy == "DDP":
-        net = nn.parallel.DistributedDataParallel(net)
+        # Gradients as views of the buckets: by default DDP's C++ buckets are another
+        # copy of the gradients, which measure_step cannot see.
+        net = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True)
         opt = torch.optim.Adam(net.parameters())
     elif strategy == "FSDP2":
         for layer in net:

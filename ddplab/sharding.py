@@ -54,6 +54,10 @@ class Memory:
 
     @property
     def total(self) -> int:
+        """The four categories added up. For a measured Memory this is an upper bound on
+        the rank's peak, not the peak itself: each category is its own largest count, and
+        those peaks come at different moments of the step (activations at the end of the
+        forward, Adam's states after the step)."""
         return self.parameters + self.gradients + self.optimizer + self.activations
 
     def as_dict(self) -> dict[str, int]:
@@ -185,10 +189,15 @@ def measure_step(model: nn.Module, optimizer: Any, batch: Any,
     included where a layer saves it. Not counted: memory a step uses and frees inside a
     phase (a ZeRO-3 or FSDP2 unit gathered for its forward only, one unit's full
     gradients before they are reduce-scattered, the flat copy a collective sends),
-    temporaries never saved for backward, DDP's gradient buckets inside its C++ reducer
-    (another copy of the gradients unless `gradient_as_bucket_view=True`, which makes the
-    gradients views of the buckets, counted), and tensors torch.utils.checkpoint keeps or
+    temporaries never saved for backward, and tensors torch.utils.checkpoint keeps or
     recomputes in its own saved-tensor hooks.
+
+    What it cannot see at all: memory no Python object reaches. The largest case is DDP's
+    gradient buckets, which its C++ reducer allocates: by default another full copy of the
+    gradients (Ψ more), invisible here. Build DDP with `gradient_as_bucket_view=True` to
+    measure DDP: the gradients are then views of the buckets, and the buckets are counted
+    as the gradients. Likewise the caching allocator's reserve, the communication
+    backend's own buffers and anything else a C++ library keeps to itself.
     """
     inputs, target = batch if isinstance(batch, (tuple, list)) else (batch, None)
     loss_fn = loss_fn or _cross_entropy
@@ -234,8 +243,9 @@ def playbook(psi: int, stage: int, world_size: int, mixed_precision: bool = True
 
 # --- the collectives a step issues --------------------------------------------------------
 
-# kind -> (the argument whose bytes are the call's payload, what one rank sends on a ring
-# per payload byte, as a function of the world size N).
+# kind -> (the argument whose bytes are the call's payload, what one rank sends per payload
+# byte, as a function of the world size N: on a ring for the symmetric collectives, on
+# average over the ranks for those with a root, whose ranks send different amounts).
 _KINDS: dict[str, tuple[str, Callable[[int], float]]] = {
     "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n),
     "all_gather_single": ("output_tensor", lambda n: (n - 1) / n),
@@ -245,8 +255,15 @@ _KINDS: dict[str, tuple[str, Callable[[int], float]]] = {
     "reduce_scatter_tensor": ("input", lambda n: (n - 1) / n),
     "reduce_scatter": ("input_list", lambda n: (n - 1) / n),
     "all_to_all_single": ("input", lambda n: (n - 1) / n),
+    "all_to_all": ("input_tensor_list", lambda n: (n - 1) / n),
     "broadcast": ("tensor", lambda n: (n - 1) / n),
     "reduce": ("tensor", lambda n: (n - 1) / n),
+    "gather": ("tensor", lambda n: (n - 1) / n),
+    "scatter": ("tensor", lambda n: (n - 1) / n),
+    "send": ("tensor", lambda n: 1.0),
+    "recv": ("tensor", lambda n: 0.0),
+    "isend": ("tensor", lambda n: 1.0),
+    "irecv": ("tensor", lambda n: 0.0),
     "barrier": ("", lambda n: 0.0),
 }
 
@@ -255,11 +272,17 @@ _KINDS: dict[str, tuple[str, Callable[[int], float]]] = {
 class Comm:
     """One collective one rank issued, as `record_collectives` saw it.
 
-    `bytes` is the payload the call was given: the tensor of an all-reduce, broadcast or
-    reduce; the OUTPUT of an all-gather (the full gathered size); the INPUT of a
-    reduce-scatter (the full size before scattering). `sent` is what this rank sends on a
-    ring for it: 2(N-1)/N of the payload for an all-reduce, (N-1)/N for the others. Times
-    are `time.monotonic()` seconds; an async op ends when its Work's `wait()` returned.
+    `bytes` is the payload the call was given: the tensor of an all-reduce, broadcast,
+    reduce, send or receive; the OUTPUT of an all-gather (the full gathered size); the INPUT
+    of a reduce-scatter or all-to-all (the full size before scattering); this rank's piece
+    of a gather or scatter (its input, its output). `sent` is what this rank sends for it:
+    on a ring, 2(N-1)/N of the payload for an all-reduce and (N-1)/N for an all-gather,
+    reduce-scatter or all-to-all; for broadcast, reduce, gather and scatter, whose root
+    sends more or less than the others, (N-1)/N of the payload ON AVERAGE over the ranks
+    (not this rank's own figure); all of it for a send, nothing for a receive. Times are
+    `time.monotonic()` seconds; an async op ends when it is known to be complete (its
+    Work's `wait()` returned, its `is_completed()` said so, or its future completed), and
+    at the end of the recording block at the latest.
     """
 
     rank: int
@@ -282,42 +305,79 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+def _ended(comms: list[Comm]) -> None:
+    now = time.monotonic()
+    for comm in comms:
+        if comm.end != comm.end:  # NaN: not ended yet
+            comm.end = now
+
+
 class _TimedWork(dist.Work):
-    """An async collective's Work, passed through, that notes when its wait() returns
-    (a subclass, so that code checking `isinstance(work, dist.Work)` still waits on it)."""
+    """An async op's Work, passed through, that notes when the op is known to be complete.
 
-    def __init__(self, work: dist.Work, comm: Comm) -> None:
+    Why not simply the original Work with a callback on its future: on gloo in torch 2.13
+    `get_future()` is not implemented for reduce_scatter_single, send or receive. So this
+    is a subclass (code that checks `isinstance(work, dist.Work)`, as FSDP2 does, still
+    waits on it) that forwards EVERY public method of dist.Work to the original (below
+    the class, generated from dist.Work's own list, so none is missed), and ends its
+    records when `wait()` returns, `is_completed()` says True, or the future completes.
+    """
+
+    def __init__(self, work: dist.Work, comms: list[Comm]) -> None:
         super().__init__()
-        self.work, self.comm = work, comm
+        self.work, self.comms = work, comms
 
-    def _done(self, *_: Any) -> None:
-        if self.comm.end != self.comm.end:  # NaN: not ended yet
-            self.comm.end = time.monotonic()
-
-    def wait(self, timeout: Any = None) -> bool:
-        result = self.work.wait() if timeout is None else self.work.wait(timeout)
-        self._done()
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        result = self.work.wait(*args, **kwargs)
+        _ended(self.comms)
         return result
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def is_success(self) -> bool:
-        return self.work.is_success()
-
-    def exception(self) -> Any:
-        return self.work.exception()
-
-    def result(self) -> Any:
-        return self.work.result()
+        done = self.work.is_completed()
+        if done:
+            _ended(self.comms)
+        return done
 
     def synchronize(self) -> None:
         self.work.synchronize()
+        _ended(self.comms)
 
     def get_future(self) -> torch.futures.Future:
         future = self.work.get_future()
-        future.add_done_callback(self._done)
+        future.add_done_callback(lambda _: _ended(self.comms))
         return future
+
+
+def _forward(name: str) -> Callable:
+    def method(self: _TimedWork, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.work, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"dist.Work.{name} of the original Work."
+    return method
+
+
+for _name in dir(dist.Work):
+    if not _name.startswith("_") and _name not in _TimedWork.__dict__ and _name != "unbox":
+        setattr(_TimedWork, _name, _forward(_name))
+
+
+def _original(op: Any) -> Any:
+    """The torch function behind a recording wrapper (itself for anything else)."""
+    while hasattr(op, "_ddplab_original"):  # nested recorders wrap wrappers
+        op = op._ddplab_original
+    return op
+
+
+class _P2POp(dist.P2POp):
+    """dist.P2POp, accepting the recording wrappers of isend and irecv for the originals
+    (P2POp checks `op` against torch's own functions by identity)."""
+
+    def __new__(cls, op: Callable, *args: Any, **kwargs: Any) -> _P2POp:
+        return super().__new__(cls, _original(op), *args, **kwargs)
+
+    def __init__(self, op: Callable, *args: Any, **kwargs: Any) -> None:
+        super().__init__(_original(op), *args, **kwargs)
 
 
 @dataclass
@@ -328,36 +388,53 @@ class record_collectives(contextlib.AbstractContextManager):
             loss.backward(); opt.step()
         # comms: list[Comm], in the order they were issued
 
-    It replaces the module's functions (`dist.all_reduce`, `dist.all_gather_single`,
-    `dist.reduce_scatter_single`, ... every name in `KINDS`) with recording wrappers and
-    puts the originals back on exit, also on an error. What calls them through the module
-    is caught: ZeroAdam, torch's ZeroRedundancyOptimizer, FSDP2's `fully_shard` (in torch
-    2.13 its all-gather and reduce-scatter call `dist.all_gather_single` and
-    `dist.reduce_scatter_single`), DDP's Python comm hooks. What is not: collectives C++
-    issues itself, such as DDP's default bucketed all-reduce (register
-    `torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook` to see
-    them), and code that imported a function by name before the block. An async op still
-    unwaited when the block ends ends there.
+    It replaces the module's functions (every name in `KINDS`: the all-reduce, all-gather,
+    reduce-scatter and all-to-all families, broadcast, reduce, gather, scatter, barrier,
+    send, recv, isend, irecv) and `dist.batch_isend_irecv` (one record per send or
+    receive in the batch) with recording wrappers, and puts the originals back on exit,
+    also on an error. (`dist.P2POp` is replaced too, by a subclass that accepts the
+    wrapped isend and irecv.) What calls them through the module is caught: ZeroAdam,
+    torch's ZeroRedundancyOptimizer, FSDP2's `fully_shard` (in torch 2.13 its all-gather
+    and reduce-scatter call `dist.all_gather_single` and `dist.reduce_scatter_single`),
+    DDP's Python comm hooks. What is not:
+    - collectives C++ issues itself, such as DDP's default bucketed all-reduce (register
+      `torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook` to see
+      them);
+    - the object collectives (`all_gather_object`, `broadcast_object_list`, ...): torch
+      calls its own functions inside them by their names in `distributed_c10d`, not
+      through `dist`;
+    - the functional collectives (`torch.distributed._functional_collectives`), which
+      DTensor's redistributions and tensor parallelism use;
+    - code that imported a function by name before the block.
+    An async op still unfinished when the block ends ends there.
     """
 
     comms: list[Comm] = field(default_factory=list)
-    _saved: dict[str, Callable] = field(default_factory=dict, repr=False)
+    _saved: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __enter__(self) -> list[Comm]:
         for kind in _KINDS:
             if hasattr(dist, kind):
-                self._saved[kind] = getattr(dist, kind)
-                setattr(dist, kind, self._wrap(kind, self._saved[kind]))
+                self._replace(kind, self._wrap(kind, getattr(dist, kind)))
+        self._replace("batch_isend_irecv", self._wrap_batch(dist.batch_isend_irecv))
+        self._replace("P2POp", _P2POp)
         return self.comms
 
+    def _replace(self, name: str, replacement: Any) -> None:
+        self._saved[name] = getattr(dist, name)
+        setattr(dist, name, replacement)
+
     def __exit__(self, *exc: object) -> None:
-        for kind, original in self._saved.items():
-            setattr(dist, kind, original)
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
         self._saved.clear()
-        now = time.monotonic()
-        for comm in self.comms:
-            if comm.end != comm.end:
-                comm.end = now
+        _ended(self.comms)
+
+    def _record(self, kind: str, payload: Any, group: Any) -> Comm:
+        comm = Comm(dist.get_rank(), kind, _nbytes(payload), time.monotonic(),
+                    float("nan"), dist.get_world_size(group))
+        self.comms.append(comm)
+        return comm
 
     def _wrap(self, kind: str, original: Callable) -> Callable:
         signature = inspect.signature(original)
@@ -365,15 +442,27 @@ class record_collectives(contextlib.AbstractContextManager):
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs).arguments
-            group = bound.get("group")
-            comm = Comm(dist.get_rank(), kind, _nbytes(bound.get(payload)), time.monotonic(),
-                        float("nan"), dist.get_world_size(group))
-            self.comms.append(comm)
+            comm = self._record(kind, bound.get(payload), bound.get("group"))
             work = original(*args, **kwargs)
-            if isinstance(work, dist.Work) and bound.get("async_op"):
-                return _TimedWork(work, comm)
+            if isinstance(work, dist.Work):  # async_op=True, isend, irecv
+                return _TimedWork(work, [comm])
             comm.end = time.monotonic()
             return work
+
+        recorded.__wrapped__ = original
+        recorded._ddplab_original = original
+        return recorded
+
+    def _wrap_batch(self, original: Callable) -> Callable:
+        isend = _original(self._saved["isend"])
+
+        def recorded(p2p_op_list: list) -> list:
+            comms = [self._record("isend" if op.op is isend else "irecv", op.tensor, op.group)
+                     for op in p2p_op_list]
+            works = original(p2p_op_list)
+            if len(works) == len(comms):  # one Work per op (gloo)
+                return [_TimedWork(w, [c]) for w, c in zip(works, comms, strict=True)]
+            return [_TimedWork(w, comms) for w in works]  # coalesced: they end together
 
         recorded.__wrapped__ = original
         return recorded
