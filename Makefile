@@ -16,9 +16,11 @@ TORCH_INDEX ?=
 LAB_ARGS    ?=
 # Two test processes (pytest-xdist), each taking whole files, so a notebook's cells run in
 # order in one kernel. Much of the suite waits (for launchers, rendezvous, hang deadlines),
-# so two at once finish in about three quarters of the time even on two cores.
+# so two at once finish in about three quarters of the time even on two cores. The files
+# are handed out longest first (tests/conftest.py, FILE_SECONDS), not by their number of
+# tests, xdist's default: no long file is left to run alone at the end.
 # `make test PYTEST_ARGS=` runs everything in one process.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 # The torch release the lock pins, and the notebooks' outputs were made with.
 TORCH       ?= torch==2.13.0
 # uv installs and locks; it is bootstrapped into the venv by pip, pinned.

@@ -132,13 +132,45 @@ def cluster(slurm: LocalSlurm) -> Iterator[LocalSlurm]:
 NEEDS_LAUNCHERS = {"06b_launchers_clusters.ipynb"}
 """Chapters that start a real Slurm cluster and mpirun."""
 
+FILE_SECONDS = {
+    "06a_launchers_torchrun.ipynb": 300, "test_exercise_ddp_script.py": 250,
+    "05_ddp_mnist.ipynb": 215, "test_exercise_verdicts.py": 205,
+    "06b_launchers_clusters.ipynb": 200, "test_pool.py": 120, "test_train.py": 115,
+    "01_processes_and_ranks.ipynb": 85, "test_doctor.py": 85,
+    "07a_debugging_collectives.ipynb": 80, "test_exercises.py": 70, "test_browser.py": 70,
+    "08b_under_the_hood_ddp.ipynb": 60, "07b_debugging_ddp.ipynb": 55, "test_kernel.py": 55,
+    "08a_under_the_hood_ring.ipynb": 55, "test_project.py": 50, "test_bench.py": 45,
+    "test_widgets.py": 45, "04b_collectives_in_practice.ipynb": 40, "test_launchers.py": 40,
+    "03_point_to_point.ipynb": 30, "00_welcome.ipynb": 25, "04a_collectives.ipynb": 25,
+    "02_init_methods_and_backends.ipynb": 20, "test_viz.py": 15,
+}
+"""Each file's test time, in seconds, on a loaded 2-core machine (the whole suite with
+`--durations=0`, 2026-11-27; 6b and the browser test, which need what that machine lacks,
+estimated from the reference machine's times): only their order matters. pytest-xdist
+(`--dist loadfile`) hands each worker a whole file at a time, in the order they are
+collected; started longest first, the long files cannot end up running alone at the end
+while the other worker idles (this cut the suite's wall time by a tenth). A file not
+listed (a new chapter) is placed as one of DEFAULT_SECONDS: add it with its time."""
+DEFAULT_SECONDS = 30
+
+
+def _longest_first(items: list) -> None:
+    """Sort the items by their file's FILE_SECONDS, longest first, in place. The sort is
+    stable: each file's items keep their order (a notebook's cells run top to bottom)."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, DEFAULT_SECONDS
+                                                   if item.path.suffix == ".ipynb" else 0))
+
 
 def pytest_collection_modifyitems(config, items):
-    """Every notebook cell gets the `notebook` marker, so that the fast inner loop can leave
+    """The files longest first (FILE_SECONDS: for pytest-xdist's workers, with
+    `--no-loadscope-reorder`, else xdist orders the files by their number of items).
+
+    Every notebook cell gets the `notebook` marker, so that the fast inner loop can leave
     the chapters out with `-m "not notebook"`.
 
     Chapter 6b's cells need Slurm and OpenMPI: without them, skip the chapter saying what
     to install (with DDPLAB_REQUIRE_LAUNCHERS set, as in CI, run it and let it fail)."""
+    _longest_first(items)
     for item in items:
         if str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.notebook)
