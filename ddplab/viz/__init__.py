@@ -28,7 +28,14 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
   not measured);
 - bars (`bars`): `show_bars`, `show_buckets`: measured quantities, DDP's buckets by bytes;
 - curves (`curves`): `LossCurves`, each rank's training loss and their average, drawn live
-  in the cell while the ranks train.
+  in the cell while the ranks train;
+- memory (`memory`): `show_memory`, each rank's bytes as a stacked bar (parameters,
+  gradients, optimizer states, activations told apart by shades of the rank's colour), a
+  group of bars per strategy (DDP, ZeRO-1/2/3, FSDP2), with the Playbook's prediction
+  beside them; `show_memory_breakdown`: one rank's bar, each part named with its share;
+- shards (`shards`): `show_shards`, which rank holds which shard of which tensor at each
+  moment of a step (own, gathered copy, not held, freed); `show_dtensor`, a DTensor's
+  global tensor and each rank's local shard for placements such as Shard(0) on a mesh.
 
 They all draw with the shared primitives: the palette (`palette`: a colour always means a
 rank), what a cell holds (`cells`), the canvas (`canvas`: inches, panels, arrows, legends)
@@ -47,8 +54,10 @@ from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH
 from ddplab.viz.cells import EMPTY_BUFFER, Owner, as_grid, format_value, owner_grid
 from ddplab.viz.curves import LossCurves
 from ddplab.viz.data import show_deal, show_digits, show_sampler
+from ddplab.viz.memory import show_memory, show_memory_breakdown
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
 from ddplab.viz.png import png_bytes, screen_size
+from ddplab.viz.shards import show_dtensor, show_shards
 from ddplab.viz.tensors import (
     show_before_after,
     show_inbox,
@@ -81,7 +90,8 @@ __all__ = [
     "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
     "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
     "show_before_after", "show_buckets", "show_cluster", "show_ddp_step", "show_deal",
-    "show_digits", "show_flight", "show_inbox", "show_launch", "show_leftover", "show_mesh",
-    "show_nesting", "show_overlap", "show_ranks", "show_rendezvous", "show_ring", "show_sampler",
-    "show_steps", "show_store", "show_timeline", "show_transfers", "text_color", "tint",
+    "show_digits", "show_dtensor", "show_flight", "show_inbox", "show_launch", "show_leftover",
+    "show_memory", "show_memory_breakdown", "show_mesh", "show_nesting", "show_overlap",
+    "show_ranks", "show_rendezvous", "show_ring", "show_sampler", "show_shards", "show_steps",
+    "show_store", "show_timeline", "show_transfers", "text_color", "tint",
 ]

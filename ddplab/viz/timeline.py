@@ -303,7 +303,8 @@ OVERLAP_WIDTH = MAX_WIDTH
 """Inches `show_overlap` draws: the page's width, 1,000 screen pixels."""
 
 
-def show_overlap(spans: Sequence[Span], *, title: str | None = None) -> Figure:
+def show_overlap(spans: Sequence[Span], *, title: str | None = None,
+                 stack_waits: bool = True) -> Figure:
     """Computation and communication on each rank at the same time, every span named.
 
     As `show_timeline`, one lane per rank and `Span.lane` (DDP's "backward" and
@@ -315,6 +316,11 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None) -> Figure:
     rank's first lane, below its others), pushed along until it clears its neighbours,
     with a line to its span. Overlap is about short spans next to long ones, and a picture
     that names only the long ones hides which bucket went when.
+
+    `stack_waits=False` keeps a lane of waiting spans in one row, its labels beside it as
+    in a lane of work: for collectives that never overlap each other, such as FSDP2's
+    all-gathers (one unit at a time) and reduce-scatters, where a row per label would
+    stack eight rows for eight one-at-a-time calls.
     """
     if not spans:
         raise ValueError("no spans to draw")
@@ -325,7 +331,7 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None) -> Figure:
     rows = dict.fromkeys(lanes, 1)
     for key in lanes:  # a waiting lane: a row per label, so overlapping waits never collide
         mine = [s for s in spans if (s.rank, s.lane) == key]
-        if all(s.waiting for s in mine):
+        if stack_waits and all(s.waiting for s in mine):
             labels = list(dict.fromkeys(s.label for s in sorted(mine, key=lambda s: s.start)))
             row_of.update({s: labels.index(s.label) for s in mine})
             rows[key] = len(labels)
