@@ -92,7 +92,7 @@ def _load_on_2(attempt: Callable, path: str) -> tuple[dict, dict, bool]:
     return (*_full_state(model, optimizer), has_state)
 
 
-def _largest(a: dict, b: dict) -> float:
+def _largest_delta(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
@@ -115,7 +115,7 @@ def check_load_sharded(load_sharded: Callable) -> str:
                 hint="call the same functions on every rank, in the same order.")[0]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    fresh = _largest(saved_model, got_model)
+    fresh = _largest_delta(saved_model, got_model)
     expect(fresh == 0,
            f"after your function, rank 0's weights differ from the checkpoint's by up to "
            f"{fresh:.3g}: the model still holds weights of its own.",
@@ -133,7 +133,7 @@ def check_load_sharded(load_sharded: Callable) -> str:
     for name, want in saved_optim.items():
         have = got_optim.get(name, {})
         for key, value in want.items():
-            expect(key in have and _largest({key: value}, have) == 0,
+            expect(key in have and _largest_delta({key: value}, have) == 0,
                    f"the weights are the checkpoint's, but the optimizer's {key} of {name} "
                    f"is not the saved one.",
                    "load the optimizer's state together with the model's, and hand both "
@@ -180,14 +180,14 @@ def _counted_step(blocks: int, micro_batches: int, reshard_after_forward: bool) 
     return counted
 
 
-def _pair(value) -> tuple[int, int] | None:
+def _two_ints(value) -> tuple[int, int] | None:
     if (isinstance(value, (tuple, list)) and len(value) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
         return int(value[0]), int(value[1])
     return None
 
 
-def _case(blocks: int, micro_batches: int, reshard_after_forward: bool) -> str:
+def _count_case(blocks: int, micro_batches: int, reshard_after_forward: bool) -> str:
     return (f"{blocks} block{'s' if blocks > 1 else ''}, {micro_batches} "
             f"micro-batch{'es' if micro_batches > 1 else ''}, "
             f"reshard_after_forward={reshard_after_forward}")
@@ -201,9 +201,9 @@ def check_predict_collectives(predict_collectives: Callable) -> str:
     predicted = {}
     for case in COUNT_CASES:
         value = predict_collectives(*case)
-        pair = _pair(value)
+        pair = _two_ints(value)
         expect(pair is not None,
-               f"for {_case(*case)} you returned {value!r}; expected a pair of ints "
+               f"for {_count_case(*case)} you returned {value!r}; expected a pair of ints "
                f"(all_gathers, reduce_scatters).",
                "return a tuple of two ints: the all-gathers first, then the reduce-scatters.")
         predicted[case] = pair
@@ -212,15 +212,16 @@ def check_predict_collectives(predict_collectives: Callable) -> str:
     for case in COUNT_CASES:
         (gathers, scatters), (want_g, want_s) = predicted[case], real[case]
         if gathers != want_g:
-            expect(False, f"for {_case(*case)} you predicted {gathers} all-gathers; FSDP2 "
+            expect(False, f"for {_count_case(*case)} you predicted {gathers} all-gathers; FSDP2 "
                           f"called all_gather_single {want_g} times.",
                    "every micro-batch runs a forward and a backward: which blocks does each "
                    "of them gather, and does reshard_after_forward=False gather again for "
                    "backward?")
         if scatters != want_s:
-            expect(False, f"for {_case(*case)} you predicted {scatters} reduce-scatters; "
+            expect(False, f"for {_count_case(*case)} you predicted {scatters} reduce-scatters; "
                           f"FSDP2 called reduce_scatter_single {want_s} times.",
                    "which micro-batches have set_requires_gradient_sync(True), and how many "
                    "units does each of those scatter?")
+    last = [f"{_count_case(*c)}: {real[c][0]} + {real[c][1]}" for c in COUNT_CASES[-2:]]
     return (f"right for all {len(COUNT_CASES)} cases, as counted on 2 real ranks: "
-            f"{', '.join(f'{_case(*c)}: {real[c][0]} + {real[c][1]}' for c in COUNT_CASES[-2:])}.")
+            f"{', '.join(last)}.")
