@@ -1127,14 +1127,60 @@ CHAPTER_9 = [
      "the model's own .grad tensors"),
 ]
 
-# (chapter 9b's rows, for exercises 9.3 and after, go in a list of their own here)
+# --- chapter 9b: typical wrong attempts and the verdict each gets ---
+
+def _loads_the_model_only(model, optimizer, path):
+    """9.3, half done: the model's shards filled in place, the fresh optimizer left empty."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+
+
+def _torch_loads_the_folder(model, optimizer, path):
+    """9.3, wrong: reads the checkpoint as chapter 5's one file."""
+    import torch
+
+    model.load_state_dict(torch.load(path))
+
+
+def _gathers_twice_always(blocks, micro_batches, reshard_after_forward):
+    """9.4, wrong: every block gathered for backward too, whatever reshard_after_forward."""
+    return micro_batches * 2 * blocks, blocks
+
+
+def _scatters_every_micro_batch(blocks, micro_batches, reshard_after_forward):
+    """9.4, wrong: the reduce-scatters counted as if every micro-batch synced."""
+    return micro_batches * blocks * (2 if reshard_after_forward else 1), micro_batches * blocks
+
+
+def _one_micro_batch_of_gathers(blocks, micro_batches, reshard_after_forward):
+    """9.4, wrong: the all-gathers of one micro-batch only."""
+    return blocks * (2 if reshard_after_forward else 1), blocks
+
+
+CHAPTER_9B = [
+    ("9.3", lambda model, optimizer, path: None, "after your function, rank 0's weights differ "
+     "from the checkpoint's", "fills the tensors of the state dict you pass it"),
+    ("9.3", _loads_the_model_only, "the weights are the checkpoint's, but the optimizer has no "
+     "state at all", "a fresh Adam has no state"),
+    ("9.3", _torch_loads_the_folder, "your code failed on the ranks: rank", "dcp.load"),
+    ("9.4", _gathers_twice_always, "for 3 blocks, 1 micro-batch, reshard_after_forward=False "
+     "you predicted 6 all-gathers; FSDP2 called all_gather_single 3 times",
+     "does reshard_after_forward=False gather again"),
+    ("9.4", _scatters_every_micro_batch, "for 2 blocks, 3 micro-batches, "
+     "reshard_after_forward=True you predicted 6 reduce-scatters",
+     "set_requires_gradient_sync(True)"),
+    ("9.4", _one_micro_batch_of_gathers, "for 2 blocks, 3 micro-batches, "
+     "reshard_after_forward=True you predicted 4 all-gathers", "every micro-batch runs a forward"),
+]
 
 
 # Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
 @pytest.mark.parametrize("exercise_id, attempt, message, hint",
                          CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4A
                          + CHAPTER_4B + CHAPTER_5 + CHAPTER_6
-                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9)
+                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed
