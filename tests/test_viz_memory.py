@@ -228,3 +228,26 @@ def test_overlap_can_keep_one_at_a_time_collectives_in_one_row():
     assert flat.get_figheight() < stacked.get_figheight()
     for fig in (stacked, flat):
         assert all(texts(fig).count(f"fc{k}") == 2 for k in range(4))
+
+
+def test_overlap_keeps_a_middle_lanes_labels_off_the_next_lane():
+    # ZeRO-3: compute, all_gather, reduce_scatter; two short gathers of unit 4 back to back
+    # above a reduce-scatter of unit 4: their labels must not land on its bar or its label
+    spans = [viz.Span(0, 0.0, 0.001, "fwd 4", lane="compute"),
+             viz.Span(0, 0.001, 0.0011, "unit 4", waiting=True, lane="all_gather"),
+             viz.Span(0, 0.0011, 0.0012, "unit 4", waiting=True, lane="all_gather"),
+             viz.Span(0, 0.0012, 0.003, "unit 4", waiting=True, lane="reduce_scatter")]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = viz.show_overlap(spans, stack_waits=False)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    ax = fig.axes[0]
+    labels = [t.get_window_extent(renderer) for t in ax.texts if t.get_text() == "unit 4"]
+    bars = [p.get_window_extent(renderer) for p in ax.patches
+            if isinstance(p, Rectangle) and p.get_hatch()]
+    assert len(labels) == 3
+    for k, a in enumerate(labels):
+        assert not any(a.overlaps(b) for b in labels[k + 1:])
+    gathers = [t for t in ax.texts if t.get_text() == "unit 4"][1:]  # after the in-bar one
+    for t in gathers:  # the gathers' callouts sit clear of the reduce-scatter's bar
+        assert not t.get_window_extent(renderer).overlaps(bars[-1])
