@@ -6,8 +6,9 @@ each unit's average from exactly one reduce_scatter_single and nothing else, so 
 unit (right values, too many calls) and an all-reduce followed by slices (right values,
 twice the bytes) are told apart from the real thing, as are units laid end to end (wrong
 values: the verdict names which elements each shard got instead), a sum that was never
-averaged, and units not padded to a length the ranks divide. 9.2 holds the learner's prediction of one rank's bytes, category by category,
-against the memory ledger of chapter 9a measured during a real step on real ranks.
+averaged, and units not padded to a length the ranks divide. 9.2 holds the learner's
+prediction of one rank's bytes, category by category, against the memory ledger of
+chapter 9a measured during a real step on real ranks.
 
 Chapter 9b's exercises (9.3 and after) follow at the end of this file, in their own section.
 """

@@ -72,9 +72,10 @@ def show_shards(tensors: Sequence[tuple[str, int]], world_size: int,
     copies gathered from the others, drawn lighter), "shard" (only its own), "none"
     (not held: not yet computed, or freed) or "local" (the whole tensor as a value the
     rank has itself, such as DDP's replica or a gradient not yet averaged: one crosshatched
-    bar in the rank's colour, since nothing of it was gathered). One panel per moment, side by side, wrapping onto more rows within the page;
-    a row per rank in each, the tensors as bars of equal length (the picture says who holds
-    what; `show_memory` says how much), named with their sizes over the columns.
+    bar in the rank's colour, since nothing of it was gathered). One panel per moment, side
+    by side, wrapping onto more rows within the page; a row per rank in each, the tensors
+    as bars of equal length (the picture says who holds what; `show_memory` says how
+    much), named with their sizes over the columns.
 
     Example (ZeRO-3 on 2 ranks): `show_shards([("fc1.weight", 100352), ("fc2.weight",
     1280)], 2, [("before forward", [["shard", "shard"]] * 2), ("fc1 gathered",
