@@ -1017,54 +1017,77 @@ CHAPTER_3 = [
 
 # --- chapter 9: typical wrong attempts and the verdict each gets ---
 
-def _padded(flat_grad):
-    """9.x: the flat gradient padded with zeros to a multiple of the world size."""
+def _rank_major(flat_grads, pad=True):
+    """9.1: each unit padded (or not) to a multiple of the world size, its pieces laid out
+    rank-major; returns the input and each unit's shard size."""
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size()
-    size = -(-flat_grad.numel() // n)
-    return torch.cat([flat_grad, flat_grad.new_zeros(size * n - flat_grad.numel())]), size
+    sizes = [-(-g.numel() // n) if pad else g.numel() // n for g in flat_grads]
+    padded = [torch.cat([g, g.new_zeros(s * n - g.numel())]) if pad else g[:s * n]
+              for g, s in zip(flat_grads, sizes, strict=True)]
+    pieces = [p.split(s) for p, s in zip(padded, sizes, strict=True)]
+    return torch.cat([pieces[u][r] for r in range(n) for u in range(len(flat_grads))]), sizes
 
 
-def _all_reduce_then_slice(flat_grad):
-    """9.1, wrong: the right values, but the whole gradient averaged on every rank."""
+def _one_call_per_unit(flat_grads):
+    """9.1, wrong: the right values, but one reduce_scatter_single per unit."""
+    import torch
     import torch.distributed as dist
 
-    padded, size = _padded(flat_grad)
-    dist.all_reduce(padded, op=dist.ReduceOp.AVG)
-    rank = dist.get_rank()
-    return padded[rank * size:(rank + 1) * size]
+    n, shards = dist.get_world_size(), []
+    for g in flat_grads:
+        size = -(-g.numel() // n)
+        shard = g.new_empty(size)
+        dist.reduce_scatter_single(shard, torch.cat([g, g.new_zeros(size * n - g.numel())]),
+                                   op=dist.ReduceOp.AVG)
+        shards.append(shard)
+    return shards
 
 
-def _summed_shard(flat_grad):
+def _end_to_end(flat_grads):
+    """9.1, wrong: the padded units laid end to end, so the shards cut across units."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    sizes = [-(-g.numel() // n) for g in flat_grads]
+    flat = torch.cat([torch.cat([g, g.new_zeros(s * n - g.numel())])
+                      for g, s in zip(flat_grads, sizes, strict=True)])
+    out = flat.new_empty(sum(sizes))
+    dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.AVG)
+    return list(out.split(sizes))
+
+
+def _summed_shards(flat_grads):
     """9.1, wrong: reduce-scatters with the default SUM and never divides."""
     import torch.distributed as dist
 
-    padded, size = _padded(flat_grad)
-    shard = flat_grad.new_empty(size)
-    dist.reduce_scatter_single(shard, padded)
-    return shard
+    bucket, sizes = _rank_major(flat_grads)
+    out = bucket.new_empty(sum(sizes))
+    dist.reduce_scatter_single(out, bucket)
+    return list(out.split(sizes))
 
 
-def _shards_in_reverse(flat_grad):
-    """9.1, wrong: shards laid out in reverse rank order before the reduce-scatter."""
+def _unpadded_shards(flat_grads):
+    """9.1, wrong: numel // world_size elements per unit and no padding."""
     import torch.distributed as dist
 
-    padded, size = _padded(flat_grad)
-    reordered = padded.view(dist.get_world_size(), size).flip(0).reshape(-1)
-    shard = flat_grad.new_empty(size)
-    dist.reduce_scatter_single(shard, reordered, op=dist.ReduceOp.AVG)
-    return shard
+    bucket, sizes = _rank_major(flat_grads, pad=False)
+    out = bucket.new_empty(sum(sizes))
+    dist.reduce_scatter_single(out, bucket, op=dist.ReduceOp.AVG)
+    return list(out.split(sizes))
 
 
-def _unpadded_shard(flat_grad):
-    """9.1, wrong: numel // world_size elements and no padding: fails where it does not divide."""
+def _all_reduce_then_slice(flat_grads):
+    """9.1, wrong: the right values, but every unit's whole average on every rank."""
     import torch.distributed as dist
 
-    shard = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size())
-    dist.reduce_scatter_single(shard, flat_grad, op=dist.ReduceOp.AVG)
-    return shard
+    bucket, sizes = _rank_major(flat_grads)
+    dist.all_reduce(bucket, op=dist.ReduceOp.AVG)
+    rank = dist.get_rank()
+    return list(bucket[rank * sum(sizes):(rank + 1) * sum(sizes)].split(sizes))
 
 
 def _right_bytes(model, stage, world_size, mixed_precision=False):
@@ -1109,14 +1132,16 @@ def _padded_stage_1_gradients(model, stage, world_size, mixed_precision=False):
 
 
 CHAPTER_9 = [
-    ("9.1", _all_reduce_then_slice, "with 2 ranks and a gradient of 12 elements, the values "
-     "are right, but rank 0's calls (all_reduce) bring 48 bytes", "which single collective"),
-    ("9.1", _summed_shard, "with 2 ranks and a gradient of 12 elements, rank 0's shard is 2×",
+    ("9.1", _one_call_per_unit, "with 2 ranks and units of 12 and 6 elements, the values are "
+     "right, but rank 0 made 2 calls of reduce_scatter_single, one per unit", "fixed cost"),
+    ("9.1", _end_to_end, "with 2 ranks and units of 12 and 6 elements, rank 0's shard of unit 1 "
+     "holds the average of unit 0's elements 6 to 8", "the r-th 1/N of the input"),
+    ("9.1", _summed_shards, "with 2 ranks and units of 12 and 6 elements, every shard is 2×",
      "which ReduceOp"),
-    ("9.1", _shards_in_reverse, "with 2 ranks and a gradient of 12 elements, rank 0 returned "
-     "rank 1's shard", "which shard of its input"),
-    ("9.1", _unpadded_shard, "with 3 ranks and a gradient of 10 elements, a call refused your "
-     "sizes", "What can you append"),
+    ("9.1", _unpadded_shards, "with 3 ranks and units of 10, 4 and 7 elements, rank 0 returned "
+     "3 elements for unit 0", "What do you append"),
+    ("9.1", _all_reduce_then_slice, "with 2 ranks and units of 12 and 6 elements, the values "
+     "are right, but rank 0's calls (1 × all_reduce) bring 72 bytes", "which single collective"),
     ("9.2", _playbook_bytes, "for DDP with torch.optim.Adam on 2 ranks, fp32, for a model with "
      "units of 527, 1,024 and 132 parameters, you predicted 13,464 bytes of optimizer",
      "what does torch.optim.Adam keep"),

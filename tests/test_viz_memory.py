@@ -136,6 +136,32 @@ def test_shards_draw_each_ranks_shard_in_its_colour_and_fit_the_page(n):
     assert {"before forward", "fc1 gathered", "fc1 freed", "401,920"} <= set(texts(fig))
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_shards_draw_a_local_copy_whole_in_the_ranks_colour_and_crosshatched(n):
+    # DDP: every rank its own replica; the other states keep their drawing beside it
+    tensors = [("parameters", 1000), ("gradients", 1000)]
+    moments = [("DDP", [["local", "local"]] * n), ("ZeRO-2", [["full", "shard"]] * n)]
+    fig = viz.show_shards(tensors, n, moments)
+    assert viz.screen_size(fig)[0] <= 1000
+    hatched = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
+    assert len(hatched) == 2 * n  # one whole bar per tensor and rank, not cut into shards
+    for r in range(n):
+        mine = [p for p in hatched if rgb(p.get_edgecolor())
+                == rgb(viz.line_color(viz.rank_color(r)))]
+        assert len(mine) == 2
+        assert all(rgb(p.get_facecolor()) == rgb(viz.tint(viz.rank_color(r), 0.1)) for p in mine)
+    widths = {round(p.get_width(), 6) for p in hatched}
+    shards = {round(p.get_width(), 6) for p in fig.axes[0].patches
+              if isinstance(p, Rectangle) and not p.get_hatch() and p.get_linewidth() == 1.4}
+    assert min(widths) == pytest.approx(n * min(shards))
+    legend = [t.get_text() for lg in fig.axes[0].artists for t in lg.get_texts()]
+    assert any(t.startswith("crosshatched: its own whole copy, not gathered") for t in legend)
+    assert "lighter: a copy gathered from its owner" in legend
+    none = viz.show_shards(tensors, n, [("m", [["none", "local"]] * n)])
+    assert "dashed: not held (not yet computed, or freed)" in [
+        t.get_text() for lg in none.axes[0].artists for t in lg.get_texts()]
+
+
 def test_shards_refuse_bad_input_naming_the_fix():
     tensors = [("w", 8), ("b", 2)]
     with pytest.raises(ValueError, match="states for 1 ranks but world_size is 2"):
@@ -202,3 +228,26 @@ def test_overlap_can_keep_one_at_a_time_collectives_in_one_row():
     assert flat.get_figheight() < stacked.get_figheight()
     for fig in (stacked, flat):
         assert all(texts(fig).count(f"fc{k}") == 2 for k in range(4))
+
+
+def test_overlap_keeps_a_middle_lanes_labels_off_the_next_lane():
+    # ZeRO-3: compute, all_gather, reduce_scatter; two short gathers of unit 4 back to back
+    # above a reduce-scatter of unit 4: their labels must not land on its bar or its label
+    spans = [viz.Span(0, 0.0, 0.001, "fwd 4", lane="compute"),
+             viz.Span(0, 0.001, 0.0011, "unit 4", waiting=True, lane="all_gather"),
+             viz.Span(0, 0.0011, 0.0012, "unit 4", waiting=True, lane="all_gather"),
+             viz.Span(0, 0.0012, 0.003, "unit 4", waiting=True, lane="reduce_scatter")]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = viz.show_overlap(spans, stack_waits=False)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    ax = fig.axes[0]
+    labels = [t.get_window_extent(renderer) for t in ax.texts if t.get_text() == "unit 4"]
+    bars = [p.get_window_extent(renderer) for p in ax.patches
+            if isinstance(p, Rectangle) and p.get_hatch()]
+    assert len(labels) == 3
+    for k, a in enumerate(labels):
+        assert not any(a.overlaps(b) for b in labels[k + 1:])
+    gathers = [t for t in ax.texts if t.get_text() == "unit 4"][1:]  # after the in-bar one
+    for t in gathers:  # the gathers' callouts sit clear of the reduce-scatter's bar
+        assert not t.get_window_extent(renderer).overlaps(bars[-1])

@@ -1,12 +1,14 @@
 """Chapter 9 exercises: sharded data parallelism (ZeRO) by hand, and its memory predicted.
 
-9.1 runs the learner's ZeRO-2 gradient step on real ranks with every collective watched:
-each rank must end with its own shard of the averaged gradient, and no rank may move more
-bytes than a reduce-scatter does, so an all-reduce followed by a slice (right values, twice
-the bytes) is told apart from the real thing, as are a sum that was never averaged, a
-shard taken in the wrong rank order, and a gradient that was not padded to a size the ranks
-divide. 9.2 holds the learner's prediction of one rank's bytes, category by category,
-against the memory ledger of chapter 9a measured during a real step on real ranks.
+9.1 runs the learner's bucketed ZeRO-2 gradient step on real ranks with every collective
+watched: given several units' flat gradients, each rank must end with its own shard of
+each unit's average from exactly one reduce_scatter_single and nothing else, so a call per
+unit (right values, too many calls) and an all-reduce followed by slices (right values,
+twice the bytes) are told apart from the real thing, as are units laid end to end (wrong
+values: the verdict names which elements each shard got instead), a sum that was never
+averaged, and units not padded to a length the ranks divide. 9.2 holds the learner's
+prediction of one rank's bytes, category by category, against the memory ledger of
+chapter 9a measured during a real step on real ranks.
 
 9.3 reloads a DCP checkpoint that 4 ranks wrote onto 2 ranks: the check writes a real one
 from a trained FSDP2 model with `dcp.save` on 4 ranks, runs the learner's loader on 2, and
@@ -46,17 +48,17 @@ MATCH_HINT = ("every rank must make the same collective calls, in the same order
               "tensors of the same shape: a collective only some ranks call, or called with "
               "a different size on one rank, leaves the others waiting.")
 
-# --- 9.1 ZeRO-2's gradient step, from reduce_scatter_single ---
+# --- 9.1 ZeRO-2's gradient step, bucketed: several units, one reduce_scatter_single ---
 
-GRAD_CASES = ((2, 12), (3, 12), (3, 10), (2, 7))
-"""(world size, elements of the flat gradient): sizes the ranks divide, then sizes they do
-not (10 on 3 ranks pads to 12, shards of 4; 7 on 2 ranks pads to 8, shards of 4)."""
+UNIT_CASES = ((2, (12, 6)), (3, (10, 4, 7)), (2, (7, 3, 5)))
+"""(world size, elements of each unit's flat gradient): lengths the ranks divide, then
+lengths they do not (10 on 3 ranks pads to 12, shards of 4; 7 on 2 ranks pads to 8)."""
 
 WATCHED = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_single",
            "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single",
            "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
            "send", "isend", "recv", "irecv")
-"""Every call of torch.distributed that moves data; 9.1 counts what each one moves."""
+"""Every call of torch.distributed that moves data; 9.1 notes each one."""
 
 
 def _nbytes(tensors) -> int:
@@ -93,19 +95,20 @@ def ring_bytes(name: str, args: tuple, kwargs: dict, world_size: int) -> float:
     return _nbytes(arg(0, "tensor"))  # broadcast, reduce, gather, scatter, send, recv
 
 
-def grad_on_rank(rank: int, numel: int):
-    """Rank `rank`'s flat float32 gradient: whole numbers, so that every average of them
-    over 2 or 3 ranks is exact in float32 and any order of summation gives the same bits."""
+def grad_on_rank(rank: int, unit: int, numel: int):
+    """Rank `rank`'s flat float32 gradient of unit `unit`: whole numbers, different in every
+    unit, so that every average of them over 2 or 3 ranks is exact in float32 (any order of
+    summation gives the same bits) and a shard of the wrong unit is told apart."""
     import torch
 
-    return torch.arange(numel, dtype=torch.float32) * (rank + 1) + 100 * rank
+    return torch.arange(numel, dtype=torch.float32) * (rank + 1) + 100 * rank + 1000 * unit
 
 
-def shard_attempt_on_rank(attempt: Callable, numel: int) -> dict:
-    """On a rank: the learner's function on this rank's gradient, with every data-moving
-    call of torch.distributed noted. Returns what it returned (or the error it raised, as
-    text, when a collective refused the sizes it was given) and the bytes this rank's
-    calls brought in on a ring."""
+def shard_attempt_on_rank(attempt: Callable, lengths: tuple[int, ...]) -> dict:
+    """On a rank: the learner's function on this rank's units' gradients, with every
+    data-moving call of torch.distributed noted. Returns what it returned (or the error it
+    raised, as text, when a collective refused the sizes it was given), and each call's
+    name and the bytes it brought in on a ring."""
     import torch
     import torch.distributed as dist
 
@@ -115,112 +118,180 @@ def shard_attempt_on_rank(attempt: Callable, numel: int) -> dict:
     def seen(name: str, args: tuple, kwargs: dict) -> None:
         calls.append((name, ring_bytes(name, args, kwargs, world_size)))
 
-    grad = grad_on_rank(dist.get_rank(), numel)
+    grads = [grad_on_rank(dist.get_rank(), u, numel) for u, numel in enumerate(lengths)]
     error = None
     with watching(WATCHED, seen):
         try:
-            value = attempt(grad)
+            value = attempt(grads)
         except RuntimeError as err:  # gloo's size check, raised on every rank alike
             if "worldSize" not in str(err) and "size" not in str(err):
                 raise
             text = str(err).strip().splitlines()[0]
             value, error = None, re.sub(r"^(\[[^\]]*\]:?)+ *", "", text).rstrip(". ")
-    if isinstance(value, torch.Tensor):
-        value = value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        value = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in value]
     return {"value": value, "error": error, "calls": calls}
 
 
-def expected_shards(world_size: int, numel: int) -> list:
-    """Each rank's shard of the averaged gradient, padded with zeros to a multiple of the
-    world size: the layout of `reduce_scatter_single` and of ZeroAdam."""
+def padded_means(world_size: int, lengths: tuple[int, ...]) -> list:
+    """Each unit's gradient averaged over the ranks and padded with zeros to N·⌈numel / N⌉
+    elements, ZeroAdam's layout of a unit."""
     import torch
 
-    mean = sum(grad_on_rank(r, numel) for r in range(world_size)) / world_size
-    size = math.ceil(numel / world_size)
-    padded = torch.cat([mean, mean.new_zeros(size * world_size - numel)])
-    return list(padded.split(size))
+    out = []
+    for u, numel in enumerate(lengths):
+        mean = sum(grad_on_rank(r, u, numel) for r in range(world_size)) / world_size
+        size = math.ceil(numel / world_size)
+        out.append(torch.cat([mean, mean.new_zeros(size * world_size - numel)]))
+    return out
 
 
-@exercise("9.1", "ZeRO-2's gradient step, from reduce_scatter_single",
-          solution="grad_shard",
-          hint="which collective leaves each rank holding one reduced slice of a tensor, and "
-               "nothing else? What must its input's size be, relative to its output's, and "
-               "what can you add to the end of the gradient to get there without changing "
-               "anyone's sum? Which ReduceOp turns a sum into an average?")
-def check_grad_shard(grad_shard: Callable) -> str:
+def expected_shards(world_size: int, lengths: tuple[int, ...]) -> list[list]:
+    """[rank][unit]: rank r's shard of each unit's averaged, padded gradient."""
+    sizes = [math.ceil(n / world_size) for n in lengths]
+    means = padded_means(world_size, lengths)
+    return [[mean[r * s:(r + 1) * s] for mean, s in zip(means, sizes, strict=True)]
+            for r in range(world_size)]
+
+
+def end_to_end(world_size: int, lengths: tuple[int, ...]) -> list[list]:
+    """[rank][unit]: what a rank gets from the units padded and laid end to end, one
+    reduce-scatter over that, its output split by the shards' sizes (a wrong layout)."""
+    import torch
+
+    sizes = [math.ceil(n / world_size) for n in lengths]
+    flat = torch.cat(padded_means(world_size, lengths))
+    per_rank = list(flat.split(sum(sizes)))
+    return [list(block.split(sizes)) for block in per_rank]
+
+
+def _pieces(world_size: int, lengths: tuple[int, ...], rank: int, unit: int) -> str:
+    """Which elements of which units the end-to-end layout gives rank `rank` in the place of
+    its shard of unit `unit`, in words."""
+    sizes = [math.ceil(n / world_size) for n in lengths]
+    padded = [s * world_size for s in sizes]
+    start = rank * sum(sizes) + sum(sizes[:unit])
+    stop, words = start + sizes[unit], []
+    offset = 0
+    for u, length in enumerate(padded):
+        lo, hi = max(start, offset), min(stop, offset + length)
+        if lo < hi:
+            words.append(f"unit {u}'s elements {lo - offset} to {hi - offset - 1}")
+        offset += length
+    return " and ".join(words)
+
+
+@exercise("9.1", "ZeRO-2's gradient step, bucketed: several units, one reduce_scatter_single",
+          solution="grad_shards",
+          hint="after one reduce_scatter_single, which part of its input has rank r received "
+               "the average of? So what must the r-th 1/N of the input hold, for every unit? "
+               "How long is a unit's shard, and what can you append to a unit so that it "
+               "splits evenly without changing anyone's average? How do you cut the output "
+               "back into one shard per unit? Which ReduceOp turns a sum into an average?")
+def check_grad_shards(grad_shards: Callable) -> str:
     with contextlib.ExitStack() as stack:
-        pools = {n: stack.enter_context(ranks(n)) for n in sorted({n for n, _ in GRAD_CASES})}
-        for world_size, numel in GRAD_CASES:
-            _check_case(pools[world_size], grad_shard, world_size, numel)
-    return ("on 2 and 3 ranks, with gradients the ranks divide and ones they do not, every "
-            "rank ends with its own shard of the average, and each rank's collectives move "
-            "(n − 1)/n · S bytes, a reduce-scatter's, half an all-reduce's.")
+        pools = {n: stack.enter_context(ranks(n)) for n in sorted({n for n, _ in UNIT_CASES})}
+        for world_size, lengths in UNIT_CASES:
+            _check_case(pools[world_size], grad_shards, world_size, lengths)
+    return ("on 2 and 3 ranks, with units the ranks divide and units they do not, every "
+            "rank ends with its own shard of each unit's average, from one "
+            "reduce_scatter_single: (N − 1)/N of the padded input on a ring, what one "
+            "reduce-scatter per unit would move in all, in one call instead of one per unit.")
 
 
-def _check_case(pool, grad_shard: Callable, world_size: int, numel: int) -> None:
+def _check_case(pool, grad_shards: Callable, world_size: int,
+                lengths: tuple[int, ...]) -> None:
     import torch
 
-    case = f"with {world_size} ranks and a gradient of {numel} elements"
-    size = math.ceil(numel / world_size)
-    got = run_in_time(pool, shard_attempt_on_rank, grad_shard, numel, deadline=DEADLINE,
+    units = len(lengths)
+    case = (f"with {world_size} ranks and units of "
+            f"{', '.join(map(str, lengths[:-1]))} and {lengths[-1]} elements")
+    sizes = [math.ceil(n / world_size) for n in lengths]
+    got = run_in_time(pool, shard_attempt_on_rank, grad_shards, lengths, deadline=DEADLINE,
                       meaning="The ranks did not make the same collective calls.",
                       hint=MATCH_HINT)
     errors = [out["error"] for out in got if out["error"]]
     expect(not errors,
-           f"{case}, a call refused your sizes ({errors[0] if errors else ''}): "
-           f"{world_size} ranks cannot split {numel} elements into equal shards.",
-           "reduce_scatter_single needs an input exactly world_size times its output. What "
-           "can you append to the gradient so that its length divides, without changing any "
-           "rank's average? How long is each shard then?")
-    want = expected_shards(world_size, numel)
+           f"{case}, a call refused your sizes ({errors[0] if errors else ''}): the input "
+           f"of reduce_scatter_single must be exactly {world_size} times its output.",
+           "a unit of numel elements has shards of ⌈numel / N⌉: what can you append to each "
+           "unit so that it splits evenly, without changing any rank's average?")
+    want = expected_shards(world_size, lengths)
     for rank, out in enumerate(got):
         value = out["value"]
-        expect(isinstance(value, torch.Tensor),
-               f"{case}, rank {rank} returned {value!r}; expected a tensor: its shard of the "
-               f"averaged gradient, {size} float32 elements.")
-        expect(value.dtype == torch.float32,
-               f"{case}, rank {rank} returned a {str(value.dtype).removeprefix('torch.')} "
-               "tensor; the gradient is float32, and so is its shard.")
-        expect(value.numel() == size,
-               f"{case}, rank {rank} returned {value.numel()} elements; its shard has "
-               f"⌈{numel} / {world_size}⌉ = {size} (the gradient padded to "
-               f"{size * world_size}, split in {world_size}).",
-               "every rank's shard has the same length, the padded gradient's divided by the "
-               "world size: reduce_scatter_single needs that too.")
-        value = value.reshape(-1)
-        if torch.allclose(value, want[rank], rtol=1e-6, atol=1e-6):
-            continue
-        expect(not torch.allclose(value, want[rank] * world_size, rtol=1e-6, atol=1e-6),
-               f"{case}, rank {rank}'s shard is {world_size}× what it should be: the sum of "
-               "the ranks' gradients, not their average.",
+        expect(isinstance(value, list) and len(value) == units
+               and all(isinstance(v, torch.Tensor) for v in value),
+               f"{case}, rank {rank} returned {value!r}; expected a list of {units} tensors: "
+               "its shard of each unit's averaged gradient, in the units' order.")
+        for u, (shard, size) in enumerate(zip(value, sizes, strict=True)):
+            expect(shard.dtype == torch.float32,
+                   f"{case}, rank {rank} returned a {str(shard.dtype).removeprefix('torch.')} "
+                   f"shard of unit {u}; the gradients are float32, and so are their shards.")
+            expect(shard.numel() == size,
+                   f"{case}, rank {rank} returned {shard.numel()} elements for unit {u}; its "
+                   f"shard has ⌈{lengths[u]} / {world_size}⌉ = {size} (the unit padded to "
+                   f"{size * world_size}, split in {world_size}).",
+                   "every rank's shard of a unit has the same length, the padded unit's "
+                   "divided by the world size. What do you append to a unit whose length "
+                   "the ranks do not divide?")
+    close = functools.partial(torch.allclose, rtol=1e-6, atol=1e-6)
+
+    def all_match(expected) -> bool:
+        return all(close(v.reshape(-1), w) for out, row in zip(got, expected, strict=True)
+                   for v, w in zip(out["value"], row, strict=True))
+
+    if not all_match(want):
+        expect(not all_match([[w * world_size for w in row] for row in want]),
+               f"{case}, every shard is {world_size}× what it should be: the sum of the "
+               "ranks' gradients, not their average.",
                "DDP averages the gradients (chapter 5); which ReduceOp does that in one "
                "call, or what do you divide by?")
-        for other in range(world_size):
-            expect(other == rank or not torch.allclose(value, want[other], rtol=1e-6,
-                                                         atol=1e-6),
-                   f"{case}, rank {rank} returned rank {other}'s shard of the averaged "
-                   f"gradient (elements {other * size} to {(other + 1) * size - 1}); rank "
-                   f"{rank} owns elements {rank * size} to {(rank + 1) * size - 1}.",
-                   "which shard of its input does reduce_scatter_single give rank r? Let it "
-                   "choose: no reordering of the gradient is needed.")
-        expect(False, f"{case}, rank {rank} returned {value.tolist()}; its shard of the "
-                      f"averaged gradient is {want[rank].tolist()}.")
-    padded = size * world_size * 4
+        wrong = end_to_end(world_size, lengths)
+        if all_match(wrong):
+            rank, unit = next((r, u) for r in range(world_size) for u in range(units)
+                              if not close(wrong[r][u], want[r][u]))
+            raise NotYet(
+                f"{case}, rank {rank}'s shard of unit {unit} holds the average of "
+                f"{_pieces(world_size, lengths, rank, unit)}, not unit {unit}'s elements "
+                f"{rank * sizes[unit]} to {(rank + 1) * sizes[unit] - 1}: the units were "
+                "laid end to end, so the reduce-scatter cut the whole buffer into N pieces "
+                "across the units' boundaries.",
+                "rank r receives the r-th 1/N of the input. Which pieces of which units must "
+                "that 1/N hold, and in what order must the input put them?")
+        for rank, out in enumerate(got):
+            for u, (shard, target) in enumerate(zip(out["value"], want[rank], strict=True)):
+                expect(close(shard.reshape(-1), target),
+                       f"{case}, rank {rank}'s shard of unit {u} is {shard.tolist()}; its "
+                       f"shard of the average (unit {u}'s elements {rank * sizes[u]} to "
+                       f"{(rank + 1) * sizes[u] - 1}, padded with zeros) is "
+                       f"{target.tolist()}.")
+    padded = 4 * world_size * sum(sizes)
     budget = (world_size - 1) / world_size * padded
     for rank, out in enumerate(got):
+        names = [name for name, _ in out["calls"]]
         moved = sum(nbytes for _, nbytes in out["calls"])
-        if moved <= budget + 1e-9:
+        if names == ["reduce_scatter_single"] and moved <= budget + 1e-9:
             continue
-        used = ", ".join(dict.fromkeys(name for name, _ in out["calls"]))
+        if names == ["reduce_scatter_single"] * units:
+            raise NotYet(
+                f"{case}, the values are right, but rank {rank} made {units} calls of "
+                f"reduce_scatter_single, one per unit; one call does it for all {units} "
+                "units, as FSDP2 reduce-scatters a whole group of parameters at once.",
+                "a collective call has a fixed cost, however few bytes it moves. Can one "
+                "input hold every unit's pieces, so that one call hands each rank its shard "
+                "of every unit?")
+        used = ", ".join(f"{names.count(n)} × {n}" for n in dict.fromkeys(names)) or "none"
         raise NotYet(
-            f"{case}, the values are right, but rank {rank}'s calls ({used}) bring "
-            f"{moved:.0f} bytes into it on a ring; a reduce-scatter of the {padded}-byte "
-            f"padded gradient brings (n − 1)/n · S = {budget:.0f}."
-            + (" An all-reduce delivers the whole averaged gradient to every rank, twice a "
-               "reduce-scatter's bytes, only for the rank to keep one shard of it."
-               if "all_reduce" in used else ""),
-            "ZeRO-2 never lets a rank receive more of the gradient than its shard: which "
-            "single collective reduces and scatters in one go?")
+            f"{case}, the values are right, but rank {rank}'s calls ({used}) bring {moved:.0f} "
+            f"bytes into it on a ring; exactly one reduce_scatter_single of the "
+            f"{padded}-byte padded input brings (N − 1)/N · S = {budget:.0f}, and nothing else "
+            "is needed."
+            + (" An all-reduce delivers every unit's whole average to every rank, twice a "
+               "reduce-scatter's bytes, only for the rank to keep one shard of each."
+               if "all_reduce" in names else ""),
+            "ZeRO-2 never lets a rank receive more of the gradients than its shards: which "
+            "single collective reduces and scatters in one go, and how must its input be laid "
+            "out to cover every unit?")
 
 
 # --- 9.2 predict one rank's bytes, category by category ---
@@ -258,7 +329,7 @@ def ledger_on_rank(name: str, stage: int, mixed_precision: bool) -> dict[str, in
 
     model = memory_model(name)
     if stage == 0:
-        model = DDP(model)
+        model = DDP(model, gradient_as_bucket_view=True)  # as chapter 9a wraps it
         optimizer = torch.optim.Adam(model.parameters())
     else:
         optimizer = ZeroAdam(model, stage, mixed_precision=mixed_precision)

@@ -7,7 +7,10 @@ multiples, one panel per moment (before the forward, layer 1 gathered, after the
 backward, ...): a row per rank, each tensor a bar cut into its shards, shard s always in
 rank s's colour. A rank's own shard is drawn in its full colour; a copy it gathered from
 another rank is drawn lighter in that owner's colour; a shard it does not hold is white;
-a tensor it freed is a dashed outline. `show_dtensor` draws one DTensor: the global
+a tensor it does not hold (not yet computed, or freed) is a dashed outline; a whole tensor
+the rank holds as a value of its own (DDP's replica, a local gradient not yet averaged) is
+one bar in the rank's colour, crosshatched, because no shard of it came from its owner.
+`show_dtensor` draws one DTensor: the global
 tensor, coloured by which ranks hold each block, and each rank's local tensor beside it
 to the same scale (FSDP2's Shard(0): a (16, 8) weight is an (8, 8) shard on each of two
 ranks).
@@ -31,9 +34,12 @@ from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, legend_rows, title_
 from ddplab.viz.memory import text_inches
 from ddplab.viz.palette import COMBINED, EMPTY, line_color, rank_color, text_color, tint
 
-STATES = ("full", "shard", "none")
-"""What a rank holds of a tensor: every shard (gathered), its own shard only, or nothing."""
+STATES = ("full", "shard", "none", "local")
+"""What a rank holds of a tensor: every shard (gathered), its own shard only, nothing, or
+the whole tensor as a value of its own (a replica, or a gradient it computed and has not
+averaged yet): all of it, but nothing gathered from another rank."""
 COPY = 0.6  # how much lighter a gathered copy is drawn than its owner's own shard
+LOCAL_HATCH = "xxx"  # a whole tensor of the rank's own: crosshatched, not cut into shards
 
 
 def _shard_legend(world_size: int, used: set[str], width: float) -> list[tuple[Patch, str]]:
@@ -44,9 +50,14 @@ def _shard_legend(world_size: int, used: set[str], width: float) -> list[tuple[P
                               label="lighter: a copy gathered from its owner"), "copy"))
     if "shard" in used and world_size > 1:
         handles.append((Patch(fc=EMPTY, ec="#BBBBBB", label="white: not held"), "empty"))
+    if "local" in used:
+        handles.append((Patch(fc=tint("#888888", 0.1), ec="#555555", hatch=LOCAL_HATCH,
+                              label="crosshatched: its own whole copy, not gathered "
+                                    "(a replica, or a local gradient not yet averaged)"),
+                        "local"))
     if "none" in used:
         handles.append((Patch(fc=EMPTY, ec="#777777", ls=(0, (3, 2)),
-                              label="dashed: freed"), "freed"))
+                              label="dashed: not held (not yet computed, or freed)"), "freed"))
     return handles
 
 
@@ -58,10 +69,13 @@ def show_shards(tensors: Sequence[tuple[str, int]], world_size: int,
     `tensors` is [(name, numel), ...] in order; each is split into `world_size` shards,
     shard s owned by rank s. `moments` is [(caption, states), ...]: `states[r][t]` is what
     rank r holds of tensor t at that moment, one of "full" (every shard: its own, and
-    copies gathered from the others, drawn lighter), "shard" (only its own) or "none"
-    (freed). One panel per moment, side by side, wrapping onto more rows within the page;
-    a row per rank in each, the tensors as bars of equal length (the picture says who holds
-    what; `show_memory` says how much), named with their sizes over the columns.
+    copies gathered from the others, drawn lighter), "shard" (only its own), "none"
+    (not held: not yet computed, or freed) or "local" (the whole tensor as a value the
+    rank has itself, such as DDP's replica or a gradient not yet averaged: one crosshatched
+    bar in the rank's colour, since nothing of it was gathered). One panel per moment, side
+    by side, wrapping onto more rows within the page; a row per rank in each, the tensors
+    as bars of equal length (the picture says who holds what; `show_memory` says how
+    much), named with their sizes over the columns.
 
     Example (ZeRO-3 on 2 ranks): `show_shards([("fc1.weight", 100352), ("fc2.weight",
     1280)], 2, [("before forward", [["shard", "shard"]] * 2), ("fc1 gathered",
@@ -74,7 +88,7 @@ def show_shards(tensors: Sequence[tuple[str, int]], world_size: int,
         raise ValueError(f"world_size must be 1 or more, got {world_size}")
     if not moments:
         raise ValueError("no moments to draw: give [(caption, states), ...] with "
-                         "states[rank][tensor] in 'full', 'shard', 'none'")
+                         "states[rank][tensor] in 'full', 'shard', 'none', 'local'")
     used: set[str] = set()
     for caption, states in moments:
         if len(states) != world_size:
@@ -87,8 +101,9 @@ def show_shards(tensors: Sequence[tuple[str, int]], world_size: int,
             unknown = [s for s in row if s not in STATES]
             if unknown:
                 raise ValueError(f"moment {caption!r}, rank {r}: unknown state {unknown[0]!r}; "
-                                 "use 'full' (gathered), 'shard' (its own only) or 'none' "
-                                 "(freed)")
+                                 "use 'full' (gathered), 'shard' (its own only), 'none' "
+                                 "(not held) or 'local' (a whole copy of its own, not "
+                                 "gathered)")
             used.update(row)
     shard_w = max(0.14, min(0.5, 0.9 / world_size))
     names = [(name, f"{numel:,}") for name, numel in tensors]
@@ -165,6 +180,11 @@ def _tensor(ax, x: float, y: float, w: float, h: float, rank: int, world_size: i
     if state == "none":
         ax.add_patch(Rectangle((x, y), w, h, fc=EMPTY, ec="#777777", lw=1.0,
                                ls=(0, (3, 2))))
+        return
+    if state == "local":
+        color = rank_color(rank)
+        ax.add_patch(Rectangle((x, y), w, h, fc=tint(color, 0.1), ec=line_color(color),
+                               lw=1.4, hatch=LOCAL_HATCH, zorder=2))
         return
     sw = w / world_size
     for s in range(world_size):

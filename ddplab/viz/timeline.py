@@ -318,7 +318,8 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None,
     that names only the long ones hides which bucket went when.
 
     `stack_waits=False` keeps a lane of waiting spans in one row, its labels beside it as
-    in a lane of work: for collectives that never overlap each other, such as FSDP2's
+    in a lane of work (a lane between a rank's first and last gets a strip of its own below
+    it for them): for collectives that never overlap each other, such as FSDP2's
     all-gathers (one unit at a time) and reduce-scatters, where a row per label would
     stack eight rows for eight one-at-a-time calls.
     """
@@ -349,8 +350,13 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None,
     room = {rank: (strip if first[rank] not in gantt else 0.1,
                    strip if last[rank] not in gantt and last[rank] != first[rank] else 0.1)
             for rank in ranks}
+    # stack_waits=False: a lane between a rank's first and last puts its labels below it,
+    # in a strip of its own, so that they never land on the next lane's bars and labels
+    below = {k: strip if not stack_waits and k not in gantt and k not in (first[k[0]],
+                                                                          last[k[0]]) else 0
+             for k in lanes}
     height = (top + sum(a + b + 0.15 for a, b in room.values())
-              + sum(row_h * rows[k] + 0.04 for k in lanes) + 0.75)
+              + sum(row_h * rows[k] + 0.04 + below[k] for k in lanes) + 0.75)
     canvas = Canvas(OVERLAP_WIDTH, height, CELL, title)
     ax = canvas.ax
     y_of, y = {}, height - top  # the bottom of each lane
@@ -359,6 +365,7 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None,
         for key in (k for k in lanes if k[0] == rank):
             y -= row_h * rows[key] + 0.04
             y_of[key] = y
+            y -= below[key]
         y -= room[rank][1] + 0.15
 
     def x(t: float) -> float:

@@ -8,16 +8,20 @@ import torch
 import torch.distributed as dist
 
 
-def grad_shard(flat_grad):
-    """Exercise 9.1: pad the flat gradient with zeros to a multiple of the world size, then
-    one reduce_scatter_single with AVG: rank r receives the average of every rank's r-th
-    shard, and nothing else."""
+def grad_shards(flat_grads):
+    """Exercise 9.1: pad each unit with zeros to a multiple of the world size, so that it
+    splits into N shards of ⌈numel / N⌉; lay the input out rank-major (rank 0's shard of
+    every unit, then rank 1's, ...), as FSDP2 does, so that the r-th 1/N of it is rank r's
+    shard of every unit; then one reduce_scatter_single with AVG, and cut the output back
+    into one shard per unit."""
     n = dist.get_world_size()
-    size = -(-flat_grad.numel() // n)  # ⌈numel / n⌉
-    padded = torch.cat([flat_grad, flat_grad.new_zeros(size * n - flat_grad.numel())])
-    shard = flat_grad.new_empty(size)
-    dist.reduce_scatter_single(shard, padded, op=dist.ReduceOp.AVG)
-    return shard
+    sizes = [-(-g.numel() // n) for g in flat_grads]  # ⌈numel / n⌉ per unit
+    padded = [torch.cat([g, g.new_zeros(s * n - g.numel())]) for g, s in zip(flat_grads, sizes)]
+    pieces = [p.split(s) for p, s in zip(padded, sizes)]  # pieces[unit][rank]
+    bucket = torch.cat([pieces[u][r] for r in range(n) for u in range(len(flat_grads))])
+    out = bucket.new_empty(sum(sizes))
+    dist.reduce_scatter_single(out, bucket, op=dist.ReduceOp.AVG)
+    return list(out.split(sizes))
 
 
 def predict_bytes(model, stage, world_size, mixed_precision=False):
