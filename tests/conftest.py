@@ -143,6 +143,9 @@ FILE_SECONDS = {
     "test_widgets.py": 45, "04b_collectives_in_practice.ipynb": 40, "test_launchers.py": 40,
     "03_point_to_point.ipynb": 30, "00_welcome.ipynb": 25, "04a_collectives.ipynb": 25,
     "02_init_methods_and_backends.ipynb": 20, "test_viz.py": 15,
+    # chapter 9, measured file by file on the same loaded machine (2026-11-27)
+    "09a_sharding_by_hand.ipynb": 60, "09b_fsdp.ipynb": 60, "test_sharding.py": 60,
+    "test_viz_memory.py": 10, "test_planner.py": 10,
 }
 """Each file's test time, in seconds, on a loaded 2-core machine (the whole suite with
 `--durations=0`, 2026-11-27; 6b and the browser test, which need what that machine lacks,
