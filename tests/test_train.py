@@ -208,17 +208,22 @@ def test_fsdp_shards_every_parameter_along_its_first_dimension(pool2):
 @pytest.fixture(scope="module")
 def strategy_runs(pool2, small_mnist, tmp_path_factory) -> dict[str, tuple[list, Path]]:
     """zero1 and fsdp on 2 ranks: 1 epoch, checkpointed, then resumed to 2 (pool_run's ddp
-    trains the same 2 epochs in one go)."""
+    trains the same 2 epochs in one go); and ddp resuming zero1's checkpoint of epoch 1."""
     runs = {}
     for strategy in SHARDED:
         out = tmp_path_factory.mktemp(strategy)
         cfg = Config(epochs=1, data=str(small_mnist), out=str(out), strategy=strategy)
         pool2.run(train, cfg)
+        if strategy == "zero1":
+            ddp_out = tmp_path_factory.mktemp("zero1-then-ddp")
+            (ddp_out / CHECKPOINT).write_bytes((out / CHECKPOINT).read_bytes())
+            runs["zero1, then ddp"] = pool2.run(train, dataclasses.replace(
+                cfg, epochs=2, resume=True, out=str(ddp_out), strategy="ddp")), ddp_out
         runs[strategy] = pool2.run(train, dataclasses.replace(cfg, epochs=2, resume=True)), out
     return runs
 
 
-@pytest.mark.parametrize("strategy", SHARDED)
+@pytest.mark.parametrize("strategy", [*SHARDED, "zero1, then ddp"])
 def test_on_2_ranks_zero1_and_fsdp_resumed_give_ddps_very_weights(strategy, strategy_runs,
                                                                   pool_run):
     """Bit for bit, and resuming changes nothing: Adam is elementwise, so updating a shard is
