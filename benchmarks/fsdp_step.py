@@ -16,9 +16,15 @@ times are the samples: per-step min / median / max for each side, the ratio of t
 medians, and the median of the rounds' own ratios (pool's median / torchrun's, round by
 round: what a load that drifts between rounds moves least).
 
-The goal: the pool costs at most 1.05× torchrun's time for a step. The machines these run
-on are shared and noisy: the result is a ratio measured in the same run, not an absolute
-time.
+Each timed step includes its two barriers, on either side: a few collectives' latency that
+the pool and torchrun pay alike.
+
+The goal: the pool costs at most 1.05× torchrun's time for a step (`MARGIN` = 0.05). The
+verdict is read off the ratio of the fastest steps, the steady-state figure (what the
+machine's load disturbs least); a median moves with the load. If the rounds' own ratios
+spread wider than the margin (max - min > 0.05), the machine was too noisy for a verdict on
+the medians and the script says "inconclusive". The machines these run on are shared and
+noisy: the result is a ratio measured in the same run, not an absolute time.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ import time
 from pathlib import Path
 
 from ratio_table import machine, report, spread  # beside this script
+
+MARGIN = 0.05
+"""How much slower than torchrun's a pool step may be: the goal is a ratio ≤ 1 + MARGIN."""
 
 
 def timed_steps(steps: int, warmup: int, batch_size: int, strategy: str) -> list[float]:
@@ -135,11 +144,16 @@ def main() -> None:
             for name, figures in (("pool", pool), ("torchrun", torchrun))]
     report(rows, header=["measurement", "min", "median", "max", "median / torchrun's"],
            markdown=args.results)
-    ratio = pool[1] / torchrun[1]
+    steady = pool[0] / torchrun[0]  # the fastest steps: what the load disturbs least
+    width = max(rounds) - min(rounds)
     print(f"pool / torchrun, round by round: {', '.join(f'{r:.3f}' for r in rounds)}; their "
-          f"median {statistics.median(rounds):.3f}; ratio of the mins {pool[0] / torchrun[0]:.3f}")
-    print(f"goal: pool / torchrun at most 1.05; {ratio:.3f}, "
-          f"{'met' if ratio <= 1.05 else 'NOT met'}")
+          f"median {statistics.median(rounds):.3f}, range {min(rounds):.3f}-{max(rounds):.3f}")
+    print(f"medians: pool / torchrun {pool[1] / torchrun[1]:.3f}: "
+          + (f"inconclusive (the rounds' ratios spread {width:.2f}, more than the margin "
+             f"{MARGIN:.2f}: the machine's load moved the medians more than the goal allows)"
+             if width > MARGIN else f"the rounds agree within the margin {MARGIN:.2f}"))
+    print(f"steady state (fastest steps): pool / torchrun {steady:.3f}; goal at most "
+          f"{1 + MARGIN:.2f}: {'met' if steady <= 1 + MARGIN else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -35,10 +35,11 @@ gradients and Adam's state sharded. With the same seed and world size on the CPU
 gives `ddp`'s weights bit for bit (Adam is elementwise: updating a shard is updating those
 elements), and `fsdp` gives them up to the rounding of the gradients' average (DDP divides
 each rank's gradient by N, then adds; FSDP's reduce-scatter adds, then divides): bit for
-bit with 2 ranks (a/2 + b/2 == (a + b)/2 == (b + a)/2: halving is exact), and with 3 a
-max |Δ| of 1.7e-6 after an epoch of 600 digits (tests/test_train.py prints it). The
-checkpoint is the same for every strategy but the optimizer's layout, so a run resumes with
-the strategy that wrote it.
+bit with 2 ranks (a/2 + b/2 == (a + b)/2 == (b + a)/2: halving is exact for normal floats),
+and with 3 a max |Δ| of 1.7e-6 after an epoch of 600 digits. The checkpoint is the same
+for every strategy but the optimizer's layout: ddp and zero1 save Adam's state in torch's
+own layout (parameters numbered), fsdp in `get_optimizer_state_dict`'s (parameters named).
+So ddp and zero1 resume each other's checkpoints; fsdp resumes only its own.
 """
 
 from __future__ import annotations
@@ -230,16 +231,19 @@ def wrap(model: nn.Module, strategy: str, device: torch.device,
     - "fsdp": FSDP2's `fully_shard` on each layer, then on the whole model, and no DDP (ZeRO
       stage 3): each rank keeps 1/N of every weight, gradient and moment (DTensors); a
       layer's weights are all-gathered just before its forward and its backward and freed
-      after, and the gradients are reduce-scattered, averaged. The device mesh is on
-      `device`'s type (the CPU for gloo, the rank's GPU for nccl): the same code either way.
+      after, and the gradients are reduce-scattered, averaged. The device mesh is the
+      existing process group on `device`'s type (the CPU for gloo, the rank's GPU for
+      nccl): the same code either way.
     """
     # FSDP's, ZeRO's and the state-dict helpers' modules are imported where they are used:
     # they add about half to this module's import time, which a ddp run need not pay.
     if strategy == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        # A 1-D mesh over the group this process already has. (init_device_mesh would make
+        # a new gloo group on every call on a machine with CUDA, the default one being gloo.)
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
         for layer in model.children():
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -278,8 +282,7 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer,
     The model's is a plain `Net`'s whatever the strategy. The optimizer's is torch's own
     layout under ddp and zero1 (`consolidate_state_dict` sends every rank's share of Adam's
     moments to rank 0), and `get_optimizer_state_dict`'s under fsdp (parameters named, not
-    numbered), which only `set_optimizer_state_dict` reads back: resume with the strategy
-    that wrote it.
+    numbered), which only `set_optimizer_state_dict` reads back (see `LAYOUTS`).
     """
     if strategy == "fsdp":
         from torch.distributed.checkpoint import state_dict as dsd
@@ -298,7 +301,10 @@ def _load_states(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
                  strategy: str) -> None:
     """Every rank read the whole checkpoint; each keeps what its strategy gives it.
 
-    Under fsdp each rank cuts its own shards out of the full tensors (no collective);
+    A collective under fsdp: every rank must call it. `set_model_state_dict` and
+    `set_optimizer_state_dict` (full_state_dict) turn each whole tensor into this rank's
+    shard with `distribute_tensor`, which scatters rank 0's copy; the optimizer's load
+    first creates Adam's state with a step at lr 0. Under zero1 it is local:
     ZeroRedundancyOptimizer.load_state_dict takes the full state and keeps this rank's share.
     """
     if strategy == "fsdp":
@@ -382,25 +388,34 @@ def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     dist.barrier()
 
 
-_SAME_ON_RESUME = ("seed", "batch_size", "lr", "data", "threads", "strategy")
+_SAME_ON_RESUME = ("seed", "batch_size", "lr", "data", "threads")
 """Settings that change the trajectory: a resumed run must keep them to match an
-uninterrupted one (epochs may grow: that is the point of resuming). The strategy too: each
-one saves the optimizer's state in its own layout (see `_states`). A checkpoint from before
-strategies existed counts as "ddp"."""
+uninterrupted one (epochs may grow: that is the point of resuming)."""
+
+LAYOUTS = {"ddp": "numbered", "zero1": "numbered", "fsdp": "named"}
+"""How each strategy's checkpoint keys Adam's state (see `_states`): torch's own layout,
+parameters numbered, for ddp and zero1 (zero1 gathers every rank's share into it); and
+`get_optimizer_state_dict`'s, parameters named, for fsdp. A run resumes a checkpoint of the
+same layout: ddp and zero1 each other's (the same state, the same trajectory), fsdp only
+its own. A checkpoint from before strategies existed counts as "ddp"."""
 
 
 def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
           device: torch.device, cfg: Config) -> list[dict]:
     """Restore weights, optimizer and RNG from `path` (torch.load's safe weights_only mode)."""
     state = torch.load(path, map_location=device)
-    then = {k: state["config"].get(k, "ddp" if k == "strategy" else None)
-            for k in _SAME_ON_RESUME}
+    then = {k: state["config"].get(k) for k in _SAME_ON_RESUME}
     changed = [f"{k}={then[k]!r} there, {getattr(cfg, k)!r} now"
                for k in _SAME_ON_RESUME if then[k] != getattr(cfg, k)]
+    strategy = state["config"].get("strategy", "ddp")
+    why = ""
+    if LAYOUTS[strategy] != LAYOUTS[cfg.strategy]:
+        changed.append(f"strategy={strategy!r} there, {cfg.strategy!r} now")
+        why = (f" ({strategy} saves Adam's state with the parameters {LAYOUTS[strategy]}, "
+               f"{cfg.strategy} with them {LAYOUTS[cfg.strategy]}: ddp and zero1 resume each "
+               "other's checkpoints, fsdp only its own; the model's weights alone load into "
+               "any: Net().load_state_dict(checkpoint['model']))")
     if changed:
-        why = (" (each strategy saves the optimizer's state its own way; the model's weights "
-               "alone load into any: Net().load_state_dict(checkpoint['model']))"
-               if then["strategy"] != cfg.strategy else "")
         raise ValueError(f"resume: {path} was trained with other settings ({'; '.join(changed)})"
                          f". Resume with the same ones, or train afresh in another --out{why}.")
     _load_states(model, optimizer, state, cfg.strategy)
@@ -443,7 +458,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
                    help="ddp: every rank holds everything; zero1: Adam's state sharded "
                         "(ZeroRedundancyOptimizer); fsdp: weights, gradients and Adam's state "
-                        "sharded (FSDP2 fully_shard)")
+                        "sharded (FSDP2 fully_shard). Default: ddp. --resume takes a "
+                        "checkpoint of ddp or zero1 under either, of fsdp under fsdp only")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on rank 0 (default: when stderr is a terminal)")
     return Config(**vars(p.parse_args(argv)))

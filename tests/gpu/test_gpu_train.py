@@ -81,8 +81,10 @@ def test_gloo_is_refused_on_an_nccl_pool_naming_the_fix(gpus):
 
 
 def test_fsdp_on_nccl_trains_checkpoints_whole_weights_and_resumes(python, tmp_path):
-    """`--strategy fsdp` on one GPU: fully_shard on a CUDA mesh of world size 1, the shards
-    gathered to whole CPU tensors in the checkpoint, and a resume that cuts them again."""
+    """`--strategy fsdp` on one GPU, world size 1 only: fully_shard on a CUDA mesh of one
+    rank (each "shard" is the whole tensor), gathered to whole CPU tensors in the
+    checkpoint, and a resume that loads them again. Sharding across GPUs over nccl is not
+    tested here."""
     out = tmp_path / "fsdp"
     done = python(*torchrun(1), "--strategy", "fsdp", "--epochs", "1", "--out", str(out),
                   timeout=600)
