@@ -1169,19 +1169,25 @@ def _torch_loads_the_folder(model, optimizer, path):
     model.load_state_dict(torch.load(path))
 
 
-def _gathers_twice_always(blocks, micro_batches, reshard_after_forward):
+def _gathers_twice_always(blocks, micro_batches, reshard_after_forward, head):
     """9.4, wrong: every block gathered for backward too, whatever reshard_after_forward."""
     return micro_batches * 2 * blocks, blocks
 
 
-def _scatters_every_micro_batch(blocks, micro_batches, reshard_after_forward):
+def _scatters_every_micro_batch(blocks, micro_batches, reshard_after_forward, head):
     """9.4, wrong: the reduce-scatters counted as if every micro-batch synced."""
     return micro_batches * blocks * (2 if reshard_after_forward else 1), micro_batches * blocks
 
 
-def _one_micro_batch_of_gathers(blocks, micro_batches, reshard_after_forward):
+def _one_micro_batch_of_gathers(blocks, micro_batches, reshard_after_forward, head):
     """9.4, wrong: the all-gathers of one micro-batch only."""
     return blocks * (2 if reshard_after_forward else 1), blocks
+
+
+def _root_resharded_like_blocks(blocks, micro_batches, reshard_after_forward, head):
+    """9.4, wrong: the root's own unit gathered again for backward, like a block's."""
+    units = blocks + (1 if head else 0)
+    return micro_batches * units * (2 if reshard_after_forward else 1), units
 
 
 CHAPTER_9B = [
@@ -1198,6 +1204,9 @@ CHAPTER_9B = [
      "set_requires_gradient_sync(True)"),
     ("9.4", _one_micro_batch_of_gathers, "for 2 blocks, 3 micro-batches, "
      "reshard_after_forward=True you predicted 4 all-gathers", "every micro-batch runs a forward"),
+    ("9.4", _root_resharded_like_blocks, "for 2 blocks and a head on the root, 1 micro-batch, "
+     "reshard_after_forward=True you predicted 6 all-gathers; FSDP2 called all_gather_single "
+     "5 times", "every micro-batch runs a forward"),
 ]
 
 

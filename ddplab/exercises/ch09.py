@@ -17,7 +17,7 @@ what was saved, gathered to full tensors on both sides. A loader that reads the 
 but leaves the fresh optimizer empty (a fresh Adam has no state to load into) is told so.
 9.4 asks for the number of all-gathers and reduce-scatters of one FSDP2 optimizer step with
 gradient accumulation; the check counts them on real ranks, for several models, with
-`reshard_after_forward` both ways.
+`reshard_after_forward` both ways, and with a head whose parameters the root owns.
 """
 
 from __future__ import annotations
@@ -558,15 +558,20 @@ def check_load_sharded(load_sharded: Callable) -> str:
 
 # --- 9.4 count an FSDP2 step's collectives (chapter 9b) ---
 
-COUNT_CASES = [(1, 1, True), (3, 1, True), (3, 1, False), (2, 3, True), (2, 3, False),
-               (4, 2, True), (4, 2, False)]
-"""(blocks, micro-batches, reshard_after_forward): one block, several, with accumulation
-and without, both settings: each wrong rule of thumb misses at least one of them."""
+COUNT_CASES = [(1, 1, True, False), (3, 1, True, False), (3, 1, False, False),
+               (2, 3, True, False), (2, 3, False, False), (4, 2, True, False),
+               (4, 2, False, False), (2, 1, True, True), (3, 2, True, True), (2, 3, False, True)]
+"""(blocks, micro-batches, reshard_after_forward, head): one block, several, with
+accumulation and without, both settings, and with a head the root owns (the root's
+reshard_after_forward left at its default, None: not resharded after forward): each wrong
+rule of thumb misses at least one of them."""
 
 
-def _counted_step(blocks: int, micro_batches: int, reshard_after_forward: bool) -> tuple[int, int]:
-    """On a rank: one optimizer step (the second) of an FSDP2 model of `blocks` blocks with
-    `micro_batches` micro-batches, syncing on the last; (all-gathers, reduce-scatters)."""
+def _counted_step(blocks: int, micro_batches: int, reshard_after_forward: bool,
+                  head: bool) -> tuple[int, int]:
+    """On a rank: one optimizer step (the second) of an FSDP2 model of `blocks` blocks (and,
+    with `head`, a Linear after them that the root owns) with `micro_batches` micro-batches,
+    syncing on the last; (all-gathers, reduce-scatters)."""
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
@@ -577,7 +582,9 @@ def _counted_step(blocks: int, micro_batches: int, reshard_after_forward: bool) 
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(blocks)])
     for block in model:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    if head:
+        model.append(nn.Linear(8, 8))  # the root's own parameters: a unit of the root's
+    fully_shard(model)  # the root: reshard_after_forward's default
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     counted = (0, 0)
     for _ in range(2):  # the first step initialises FSDP's state: count the second
@@ -599,8 +606,10 @@ def _two_ints(value) -> tuple[int, int] | None:
     return None
 
 
-def _count_case(blocks: int, micro_batches: int, reshard_after_forward: bool) -> str:
-    return (f"{blocks} block{'s' if blocks > 1 else ''}, {micro_batches} "
+def _count_case(blocks: int, micro_batches: int, reshard_after_forward: bool,
+                head: bool) -> str:
+    return (f"{blocks} block{'s' if blocks > 1 else ''}"
+            f"{' and a head on the root' if head else ''}, {micro_batches} "
             f"micro-batch{'es' if micro_batches > 1 else ''}, "
             f"reshard_after_forward={reshard_after_forward}")
 
@@ -628,7 +637,8 @@ def check_predict_collectives(predict_collectives: Callable) -> str:
                           f"called all_gather_single {want_g} times.",
                    "every micro-batch runs a forward and a backward: which blocks does each "
                    "of them gather, and does reshard_after_forward=False gather again for "
-                   "backward?")
+                   "backward? A root with parameters of its own is a unit too, and its "
+                   "default reshard_after_forward=None keeps it gathered until its backward.")
         if scatters != want_s:
             expect(False, f"for {_count_case(*case)} you predicted {scatters} reduce-scatters; "
                           f"FSDP2 called reduce_scatter_single {want_s} times.",

@@ -62,9 +62,12 @@ def load_sharded(model, optimizer, path):
                    optim_state_dict=state["optim"])
 
 
-def predict_collectives(blocks, micro_batches, reshard_after_forward):
+def predict_collectives(blocks, micro_batches, reshard_after_forward, head):
     """9.4: every micro-batch gathers every block for its forward, and again for its
     backward when the forward resharded it; only the last micro-batch reduce-scatters,
-    once per block (the root holds no parameters of its own: no unit of its own)."""
-    per_micro_batch = blocks * (2 if reshard_after_forward else 1)
-    return micro_batches * per_micro_batch, blocks
+    once per block. Without a head the root holds no parameters of its own: no unit of
+    its own. With one, the root is a unit too: gathered once per micro-batch (its default
+    reshard_after_forward=None keeps the root gathered until its backward) and scattered
+    once, with the last."""
+    per_micro_batch = blocks * (2 if reshard_after_forward else 1) + (1 if head else 0)
+    return micro_batches * per_micro_batch, blocks + (1 if head else 0)
