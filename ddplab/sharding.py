@@ -343,9 +343,14 @@ class _TimedWork(dist.Work):
         _ended(self.comms)
 
     def get_future(self) -> torch.futures.Future:
-        future = self.work.get_future()
-        future.add_done_callback(lambda _: _ended(self.comms))
-        return future
+        """The op's future, chained: it completes after the record is ended (a callback
+        added to the original future may run after a waiter on it has woken up)."""
+
+        def ended(future: torch.futures.Future) -> Any:
+            _ended(self.comms)
+            return future.value()
+
+        return self.work.get_future().then(ended)
 
 
 def _forward(name: str) -> Callable:

@@ -143,7 +143,7 @@ FILE_SECONDS = {
     "test_widgets.py": 45, "04b_collectives_in_practice.ipynb": 40, "test_launchers.py": 40,
     "03_point_to_point.ipynb": 30, "00_welcome.ipynb": 25, "04a_collectives.ipynb": 25,
     "02_init_methods_and_backends.ipynb": 20, "test_viz.py": 15,
-    # chapter 9, measured file by file on the same loaded machine (2026-11-27)
+    # chapter 9: from single runs of each file on the same loaded machine (2026-11-27)
     "09a_sharding_by_hand.ipynb": 60, "09b_fsdp.ipynb": 60, "test_sharding.py": 60,
     "test_viz_memory.py": 10, "test_planner.py": 10,
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 import types
 
 import pytest
@@ -394,8 +395,12 @@ def recorded_kinds() -> tuple[bool, bool, bool, list[tuple[str, int, int]]]:
     """Async ops (ended by wait or by their future) and the rarer kinds, recorded."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     with record_collectives() as comms:
+        # Rank 1 joins late, so rank 0's all-reduce cannot have ended when it looks: its end
+        # is still unknown (NaN). Rank 1's may end at once, since rank 0 is already waiting.
+        if rank == 1:
+            time.sleep(1.0)
         work = dist.all_reduce(torch.ones(1000), async_op=True)
-        unfinished = comms[0].end != comms[0].end
+        unfinished = comms[0].end != comms[0].end or rank == 1
         work.wait()
         # A method forwarded to gloo's Work (dist.Work's own raises "not implemented").
         forwarded = torch.equal(work.result()[0], torch.full((1000,), 2.0))
