@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, title_width
+from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, amount, title_width
 from ddplab.viz.palette import tint
 
 MIN_BAR = 3.5  # inches: the longest bar is never shorter, so ratios stay easy to read
@@ -58,17 +58,12 @@ def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
         ax.text(left - 0.12, y + row / 2, label, ha="right", va="center", fontsize=FONT)
         ax.add_patch(Rectangle((left, y + 0.07), max(value * scale, 0.02), row - 0.14,
                                fc=tint(color, 0.35), ec=color, lw=0.8))
-        text = f"{_number(value)} {unit}".rstrip()
+        text = f"{amount(value)} {unit}".rstrip()
         if i < len(notes) and notes[i]:
             text += f"   {notes[i]}"
         ax.text(left + value * scale + 0.1, y + row / 2, text, ha="left", va="center",
                 fontsize=FONT)
     return canvas.fig
-
-
-def _number(value: float) -> str:
-    """Three significant digits, never an exponent: 1,490 ms, not 1.49e+03 ms."""
-    return f"{value:,.0f}" if abs(value) >= 999.5 else f"{value:.3g}"
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")

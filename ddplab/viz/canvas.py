@@ -16,8 +16,11 @@ colours a picture used. Every family of pictures draws on it.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 from matplotlib.textpath import TextPath
 
@@ -306,3 +309,24 @@ def _hits(box: tuple, obstacle) -> bool:
     p = obstacle
     return bool(np.any((p[:, 0] > x0 - 0.03) & (p[:, 0] < x1 + 0.03)
                        & (p[:, 1] > y0 - 0.03) & (p[:, 1] < y1 + 0.03)))
+
+
+def text_inches(text: str, size: float = FONT - 1, bold: bool = False) -> float:
+    """The inches `text` takes in the figures' font, rounded up to a tenth of an inch: the
+    font's measure differs in its last digits between builds, and a picture's size, which
+    follows it, is part of what nbval compares."""
+    prop = FontProperties(weight="bold" if bold else "normal")
+    width = TextPath((0, 0), text, size=size, prop=prop).get_extents().width / 72 if text else 0
+    return math.ceil(round(width, 3) * 10) / 10
+
+
+def amount(value: float) -> str:
+    """Three significant digits, never an exponent: 1,490 and 0.000123, not 1.49e+03."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 999.5:
+        return f"{value:,.0f}"
+    text = f"{value:.3g}"
+    if "e" in text:  # below 0.0001: as many decimals as three significant digits need
+        return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}"
+    return text

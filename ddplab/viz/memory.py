@@ -19,15 +19,21 @@ number of bars, never the measured numbers (nbval compares figure sizes).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
-from matplotlib.font_manager import FontProperties
 from matplotlib.patches import Patch, Rectangle
-from matplotlib.textpath import TextPath
 
-from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, legend_rows, title_width
+from ddplab.viz.canvas import (
+    CELL,
+    FONT,
+    MAX_WIDTH,
+    Canvas,
+    amount,
+    legend_rows,
+    text_inches,
+    title_width,
+)
 from ddplab.viz.palette import line_color, rank_color, text_color, tint
 
 UNITS = {"B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20,
@@ -40,27 +46,6 @@ PREDICTED = "#8A8A8A"
 # anchor each bar; hatches keep parts apart where shades alone would not (yellow, grey).
 STYLES = ((0.0, None), (0.5, None), (0.78, "////"), (1.0, "...."), (0.6, "xx"),
           (0.9, "\\\\\\\\"))
-
-
-def text_inches(text: str, size: float = FONT - 1, bold: bool = False) -> float:
-    """The inches `text` takes in the figures' font, rounded up to a tenth of an inch: the
-    font's measure differs in its last digits between builds, and a picture's size, which
-    follows it, is part of what nbval compares."""
-    prop = FontProperties(weight="bold" if bold else "normal")
-    width = TextPath((0, 0), text, size=size, prop=prop).get_extents().width / 72 if text else 0
-    return math.ceil(round(width, 3) * 10) / 10
-
-
-def amount(value: float) -> str:
-    """Three significant digits, never an exponent: 1,490 and 0.000123, not 1.49e+03."""
-    if value == 0:
-        return "0"
-    if abs(value) >= 999.5:
-        return f"{value:,.0f}"
-    text = f"{value:.3g}"
-    if "e" in text:  # below 0.0001: as many decimals as three significant digits need
-        return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}"
-    return text
 
 
 def _divisor(unit: str) -> int:

@@ -30,8 +30,15 @@ from itertools import pairwise
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, legend_rows, title_width
-from ddplab.viz.memory import text_inches
+from ddplab.viz.canvas import (
+    CELL,
+    FONT,
+    MAX_WIDTH,
+    Canvas,
+    legend_rows,
+    text_inches,
+    title_width,
+)
 from ddplab.viz.palette import COMBINED, EMPTY, line_color, rank_color, text_color, tint
 
 STATES = ("full", "shard", "none", "local")
