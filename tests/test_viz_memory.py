@@ -206,6 +206,32 @@ def test_dtensor_draws_each_ranks_local_shard_in_its_colour(mesh, placements):
         assert "ranks 0, 1" in shown and shown.count("(16, 8)") == 2
 
 
+def test_hsdp_stripes_each_replicated_block_in_its_holders_colours_only():
+    """HSDP, (Replicate(), Shard(0)) on a 2 x 2 mesh: rows 0-7 are held by ranks 0 and 2,
+    rows 8-15 by ranks 1 and 3. Each block is striped in its two holders' colours and no
+    other (a colour is a rank), and each rank's local tensor names the rank with the same
+    copy, so who replicates whom reads without counting mesh coordinates."""
+    from matplotlib.patches import Polygon
+
+    fig = viz.show_dtensor((16, 8), (2, 2), ["Replicate()", "Shard(0)"], title="HSDP")
+    ax = fig.axes[0]
+    stripes = [p for p in ax.patches if isinstance(p, Polygon)]
+    assert stripes
+    blocks: dict[float, set] = {}  # each band spans its block's height: keyed by its bottom
+    for p in stripes:
+        bottom = round(float(p.get_xy()[:, 1].min()), 3)
+        blocks.setdefault(bottom, set()).add(tuple(round(c, 3) for c in p.get_facecolor()[:3]))
+    assert len(blocks) == 2
+    bottom, top = (blocks[y] for y in sorted(blocks))
+    tints = {r: rgb(viz.tint(viz.rank_color(r))) for r in range(4)}
+    assert top == {tints[0], tints[2]} and bottom == {tints[1], tints[3]}
+    shown = texts(fig)
+    for twin in (2, 3, 0, 1):  # ranks 0, 1, 2, 3 in turn
+        assert f"same copy on rank {twin}" in shown
+    assert {"ranks 0, 2", "ranks 1, 3"} <= set(shown)
+    assert viz.screen_size(fig)[0] <= 1000
+
+
 def test_dtensor_refuses_bad_input_naming_the_fix():
     with pytest.raises(ValueError, match="pending sum"):
         viz.show_dtensor((16, 8), (2,), "Partial(sum)")

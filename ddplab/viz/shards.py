@@ -11,7 +11,8 @@ a tensor it does not hold (not yet computed, or freed) is a dashed outline; a wh
 the rank holds as a value of its own (DDP's replica, a local gradient not yet averaged) is
 one bar in the rank's colour, crosshatched, because no shard of it came from its owner.
 `show_dtensor` draws one DTensor: the global
-tensor, coloured by which ranks hold each block, and each rank's local tensor beside it
+tensor, coloured by which ranks hold each block (a replicated block striped in its holders'
+colours), and each rank's local tensor beside it
 to the same scale (FSDP2's Shard(0): a (16, 8) weight is an (8, 8) shard on each of two
 ranks).
 
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Patch, Polygon, Rectangle
 
 from ddplab.viz.canvas import (
     CELL,
@@ -275,9 +276,12 @@ def show_dtensor(global_shape: Sequence[int], mesh_shape: Sequence[int],
     (`torch.chunk`: ceil-sized, the last ones smaller or empty).
 
     Left, the global tensor: a block held by one rank is in that rank's colour; a block
-    held by several (replicated) is grey with a bar of their colours, as a value combined
-    from several ranks is elsewhere. Right, each rank's local tensor to the same scale, in
-    its colour, named with its shape and the slice of the global tensor it holds.
+    held by several (replicated) is striped diagonally in their colours, so that who holds
+    a copy of it reads at a glance (a colour is always a rank; diagonal, so the stripes do
+    not look like a split of the block). Right, each rank's local tensor to the same scale,
+    in its colour, named with its shape and the slice of the global tensor it holds, and,
+    where that slice is replicated, the other ranks that hold the same copy. A 2-D mesh's
+    ranks are laid out as the mesh is, so the ranks of one column hold the same shard.
 
     Example: `show_dtensor((16, 8), (2,), "Shard(0)")` (FSDP2's default, two (8, 8)
     shards); HSDP: `show_dtensor((16, 8), (2, 2), ["Replicate()", "Shard(0)"])`.
@@ -314,11 +318,16 @@ def show_dtensor(global_shape: Sequence[int], mesh_shape: Sequence[int],
 
     boxes = [box(rr) for rr in ranges]
     grid_rows, grid_cols = (mesh if len(mesh) == 2 else (1, mesh[0]))
+    twins = [[o for o in range(n_ranks) if o != r and boxes[o] == boxes[r]]
+             for r in range(n_ranks)]
+    replicated = any(twins)
     labels = [(f"rank {r}" + (f" {divmod(r, mesh[1])}" if len(mesh) == 2 else ""),
                f"{tuple(hi - lo for lo, hi in ranges[r])}",
-               _slice_text(ranges[r], shape)) for r in range(n_ranks)]
+               _slice_text(ranges[r], shape),
+               _twin_text(twins[r])) for r in range(n_ranks)]
     label_w = max(max(text_inches(a, FONT - 1, bold=True), text_inches(b, FONT - 1),
-                      text_inches(c, FONT - 1)) for a, b, c in labels) + 0.15
+                      text_inches(c, FONT - 1), text_inches(d, FONT - 1))
+                  for a, b, c, d in labels) + 0.15
     glabel = f"global {shape}"
     caption = ", ".join(placements) + f" on a mesh {mesh}"
     gtext_w = max(text_inches(glabel, FONT, bold=True), text_inches(caption, FONT - 1), 1.0)
@@ -347,17 +356,19 @@ def show_dtensor(global_shape: Sequence[int], mesh_shape: Sequence[int],
     width = max(width, title_width(title))
     local_hs = [max(max((b[1] - b[0]) * e for j, b in enumerate(boxes)
                         if j // grid_cols == i), 0.1) for i in range(grid_rows)]
-    block_h = 0.62  # three lines over each local tensor
+    block_h = 0.80 if replicated else 0.62  # three lines over each local tensor (four
+    # where a slice is replicated: who else holds the same copy)
     right_h = sum(local_hs) + block_h * grid_rows + 0.2 * (grid_rows - 1)
     left_h = rows * e + 0.35 + 0.25
     title_h = 0.45 if title else 0.15
     holders = _holders(boxes, rows, cols)
-    replicated = any(len(h) > 1 for _, h in holders)
+    striped = any(len(h) > 1 for _, h in holders)
     handles = [Patch(fc=tint(rank_color(r)), ec=line_color(rank_color(r)),
                      label=f"rank {r}") for r in range(n_ranks)]
-    if replicated:
-        handles.append(Patch(fc=COMBINED, ec="#999999",
-                             label="held by every rank in its bar (replicated)"))
+    if striped:
+        handles.append(Patch(fc="white", ec="#777777", hatch="////",
+                             label="striped: a whole copy on every rank of its stripes "
+                                   "(replicated)"))
     entries = [(r, h.get_label()) for r, h in enumerate(handles[:n_ranks])]
     entries += [("combined", h.get_label()) for h in handles[n_ranks:]]
     legend = legend_rows(entries, width)
@@ -373,12 +384,10 @@ def show_dtensor(global_shape: Sequence[int], mesh_shape: Sequence[int],
         x, y, w, h = gx + c0 * e, gy + (rows - r1) * e, (c1 - c0) * e, (r1 - r0) * e
         if len(who) == 1:
             ax.add_patch(Rectangle((x, y), w, h, fc=tint(rank_color(who[0])), ec="none"))
+        elif who:
+            _stripes(ax, x, y, w, h, who)
         else:
             ax.add_patch(Rectangle((x, y), w, h, fc=COMBINED, ec="none"))
-            bar = w / len(who)
-            for k, r in enumerate(who):
-                ax.add_patch(Rectangle((x + k * bar, y), bar, min(h * 0.25, 0.12),
-                                       fc=rank_color(r), ec="none"))
     _elements(ax, gx, gy, rows, cols, e)
     for (r0, r1, c0, c1), who in holders:
         x, y, w, h = gx + c0 * e, gy + (rows - r1) * e, (c1 - c0) * e, (r1 - r0) * e
@@ -406,13 +415,16 @@ def show_dtensor(global_shape: Sequence[int], mesh_shape: Sequence[int],
             if r >= n_ranks:
                 break
             r0, r1, c0, c1 = boxes[r]
-            name, size, where = labels[r]
+            name, size, where, twin = labels[r]
             color = rank_color(r)
             ax.text(x, y - 0.05, name, ha="left", va="top", fontsize=FONT - 1,
                     fontweight="bold", color=text_color(color))
             ax.text(x, y - 0.24, size, ha="left", va="top", fontsize=FONT - 1, color="#333333")
             ax.text(x, y - 0.42, where, ha="left", va="top", fontsize=FONT - 1,
                     color="#333333", family="monospace")
+            if twin:
+                ax.text(x, y - 0.60, twin, ha="left", va="top", fontsize=FONT - 1,
+                        color="#333333")
             h, w = (r1 - r0) * e, (c1 - c0) * e
             by = y - block_h - h
             if h * w == 0:
@@ -433,6 +445,32 @@ def show_dtensor(global_shape: Sequence[int], mesh_shape: Sequence[int],
                            bbox_transform=ax.transData)
         ax.add_artist(artist)
     return canvas.fig
+
+
+STRIPE = 0.09
+"""Inches across one diagonal stripe of a replicated block."""
+
+
+def _stripes(ax, x: float, y: float, w: float, h: float, who: list[int]) -> None:
+    """A block every rank in `who` holds a copy of: diagonal stripes, one colour per holder
+    in turn, so it reads as "rank 0's, and rank 2's" at a glance. Diagonal, so the stripes
+    cross the element grid and cannot be mistaken for a split of the block between them
+    (each holder has all of it)."""
+    clip = Rectangle((x, y), w, h, fc="none", ec="none")
+    ax.add_patch(clip)
+    for k in range(math.ceil((w + h) / STRIPE) + 1):
+        a, b = k * STRIPE, (k + 1) * STRIPE  # the band a <= (px - x) + (py - y) < b
+        band = Polygon([(x + a, y), (x + b, y), (x + b - h, y + h), (x + a - h, y + h)],
+                       closed=True, fc=tint(rank_color(who[k % len(who)])), ec="none")
+        ax.add_patch(band)
+        band.set_clip_path(clip)
+
+
+def _twin_text(others: list[int]) -> str:
+    """Who else holds the very same slice: "same copy on rank 2"."""
+    if not others:
+        return ""
+    return f"same copy on rank{'s' if len(others) > 1 else ''} " + ", ".join(map(str, others))
 
 
 def _elements(ax, x: float, y: float, rows: int, cols: int, e: float) -> None:
