@@ -1162,6 +1162,40 @@ def _loads_the_model_only(model, optimizer, path):
     dcp.load(state, checkpoint_id=path)
 
 
+def _copies_the_chapters_weights_only(model, optimizer, path):
+    """9.3, the chapter's cell copied: the weights loaded, the optimizer not touched."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+
+
+def _loads_a_fresh_optimizers_empty_state_dict(model, optimizer, path):
+    """9.3, wrong: the optimizer's own state_dict() handed to dcp.load, which a fresh Adam
+    has empty (its param_groups only): nothing to fill."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model), "optim": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    optimizer.load_state_dict(state["optim"])
+
+
+def _reads_the_optimizer_under_another_key(model, optimizer, path):
+    """9.3, wrong: the optimizer's states asked for under a key the checkpoint lacks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+
 def _torch_loads_the_folder(model, optimizer, path):
     """9.3, wrong: reads the checkpoint as chapter 5's one file."""
     import torch
@@ -1195,6 +1229,12 @@ CHAPTER_9B = [
      "from the checkpoint's", "fills the tensors of the state dict you pass it"),
     ("9.3", _loads_the_model_only, "the weights are the checkpoint's, but the optimizer has no "
      "state at all", "a fresh Adam has no state"),
+    ("9.3", _copies_the_chapters_weights_only, "the weights are the checkpoint's, but the "
+     "optimizer has no state at all", "torch.distributed.checkpoint.state_dict"),
+    ("9.3", _loads_a_fresh_optimizers_empty_state_dict, "the weights are the checkpoint's, but "
+     "the optimizer has no state at all", "what does optimizer.state_dict() hold then"),
+    ("9.3", _reads_the_optimizer_under_another_key, "your code failed on the ranks: rank",
+     "dcp.load"),
     ("9.3", _torch_loads_the_folder, "your code failed on the ranks: rank", "dcp.load"),
     ("9.4", _gathers_twice_always, "for 3 blocks, 1 micro-batch, reshard_after_forward=False "
      "you predicted 6 all-gathers; FSDP2 called all_gather_single 3 times",

@@ -10,11 +10,16 @@ averaged, and units not padded to a length the ranks divide. 9.2 holds the learn
 prediction of one rank's bytes, category by category, against the memory ledger of
 chapter 9a measured during a real step on real ranks.
 
-9.3 reloads a DCP checkpoint that 4 ranks wrote onto 2 ranks: the check writes a real one
-from a trained FSDP2 model with `dcp.save` on 4 ranks, runs the learner's loader on 2, and
-compares the model's weights and every Adam state (`exp_avg`, `exp_avg_sq`, `step`) with
-what was saved, gathered to full tensors on both sides. A loader that reads the weights
-but leaves the fresh optimizer empty (a fresh Adam has no state to load into) is told so.
+9.3 reloads a DCP checkpoint that 4 ranks wrote onto 2 ranks, optimizer included: the
+check writes a real one from a trained FSDP2 model with `dcp.save` on 4 ranks, runs the
+learner's loader on 2, and compares the model's weights and every Adam state (`exp_avg`,
+`exp_avg_sq`, `step`) with what was saved, gathered to full tensors on both sides. Chapter
+9b loads the weights only (`get_model_state_dict`, `dcp.load`, `set_model_state_dict`), so
+the exercise's new part is the optimizer: a fresh Adam has no state to load into until
+something creates it. A loader that copies the chapter's (weights only), or hands dcp.load
+a fresh optimizer's empty `state_dict()`, leaves the optimizer empty and is told so; one
+that reads the optimizer under another key than the checkpoint's fails on the ranks with
+DCP's own message.
 9.4 asks for the number of all-gathers and reduce-scatters of one FSDP2 optimizer step with
 gradient accumulation; the check counts them on real ranks, for several models, with
 `reshard_after_forward` both ways, and with a head whose parameters the root owns.
@@ -508,7 +513,8 @@ def _largest_delta(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@exercise("9.3", "Reload a 4-rank DCP checkpoint on 2 ranks", solution="load_sharded",
+@exercise("9.3", "Reload a 4-rank DCP checkpoint, optimizer included, on 2 ranks",
+          solution="load_sharded",
           hint="on every rank: what does dcp.load need to be given, and what does it do with "
                "it? It fills the tensors of a state dict in place, for the shapes this "
                "process group has: where do you get such a state dict for the model and the "
@@ -539,9 +545,10 @@ def check_load_sharded(load_sharded: Callable) -> str:
            "exp_avg, exp_avg_sq and step were not loaded, so the next step would start "
            "Adam afresh.",
            "a fresh Adam has no state before its first step: what does "
-           "optimizer.state_dict() hold then, and so what could dcp.load fill? Which "
-           "function gives state dicts of the model AND the optimizer, with a place for "
-           "every state?")
+           "optimizer.state_dict() hold then, and so what could dcp.load fill? Look in "
+           "torch.distributed.checkpoint.state_dict for a function that gives the "
+           "optimizer's state dict with a place for every state (it creates them), and "
+           "its counterpart that hands the filled one back.")
     for name, want in saved_optim.items():
         have = got_optim.get(name, {})
         for key, value in want.items():
