@@ -25,6 +25,11 @@ machine's load disturbs least); a median moves with the load. If the rounds' own
 spread wider than the margin (max - min > 0.05), the machine was too noisy for a verdict on
 the medians and the script says "inconclusive". The machines these run on are shared and
 noisy: the result is a ratio measured in the same run, not an absolute time.
+
+Whole runs one after the other need a quiet machine to resolve 5 %. On a shared one,
+`fsdp_sessions.py` keeps every contender alive at once and lets them take turns of a few
+steps, and it also shows what made the pool slower than torchrun until its ranks got a
+session each (benchmarks/RESULTS.md, "FSDP").
 """
 
 from __future__ import annotations

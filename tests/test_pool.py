@@ -314,6 +314,14 @@ def test_two_pools_at_once_do_not_collide():
         assert a.run(rank_sum, 1) == b.run(rank_sum, 1) == [3, 3]
 
 
+def test_each_rank_leads_a_session_of_its_own(pool):
+    """As each of torchrun's workers does: Linux's autogroup scheduler shares the CPU
+    between sessions first, so ranks left in the forkserver's session shared one share
+    among them all (measured slower than torchrun; `forkserver._child` says why)."""
+    for pid, session, group in pool.run(lambda: (os.getpid(), os.getsid(0), os.getpgrp())):
+        assert session == group == pid
+
+
 def test_ranks_use_one_thread_unless_asked():
     with Pool(1) as p:
         assert p.run(torch.get_num_threads) == [1]

@@ -15,6 +15,10 @@ Lifetime: the server and every rank hold the read end of a "lifeline" pipe whose
 only the kernel holds. When the kernel dies, even by SIGKILL, the pipe reads EOF and they
 all exit. Nothing is left behind.
 
+Sessions: each rank starts a session of its own, as each of torchrun's workers does, so
+that Linux's scheduler shares the CPU between ranks as it would under torchrun (`_child`
+says why that matters).
+
 Debug switches: torch reads some variables once, when it is imported (TORCH_CPP_LOG_LEVEL
 sets up c10's logging, TORCH_DISTRIBUTED_DEBUG the process groups' debug level, TORCH_LOGS
 torch's Python logging). A rank forked from a server that imported torch before the
@@ -355,16 +359,35 @@ def _kill_all(children: set[int]) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def _child(spec: dict, fds: list[int], closing: list[int]) -> None:
-    """Runs in the freshly forked rank; never returns."""
+def _child(spec: dict, fds: list[int], closing: list[int], started_fd: int) -> None:
+    """Runs in the freshly forked rank; never returns.
+
+    First of all the rank starts a session of its own (`os.setsid`), which also makes it
+    the leader of its own process group, so the pool can kill it with everything it
+    started (`killpg`). Then it closes `started_fd`, which the server waits for before it
+    tells the kernel the rank's pid: no kill can arrive before the group exists.
+
+    Why a session and not only a process group: when Linux's autogroup scheduling is on
+    (`/proc/sys/kernel/sched_autogroup_enabled` is 1, as on the kernels of many
+    distributions and on the machine these were measured on), the CPU is shared fairly
+    between sessions first, then among the processes of each. torchrun starts every worker
+    in a session of its own (`start_new_session=True` in torch/distributed/elastic/
+    multiprocessing/subprocess_handler/subprocess_handler.py). Ranks left in the
+    forkserver's session shared one session's share among them all, against every other
+    session that wanted the CPU (JupyterLab, the notebook's kernel, a browser): with one
+    other session keeping a core a third busy, an FSDP step of 2 ranks sharing a session
+    took 1.17 times torchrun's, and 0.99 with a session each (benchmarks/fsdp_sessions.py;
+    benchmarks/RESULTS.md, "FSDP").
+    """
     code = 1
     try:
+        os.setsid()
+        os.close(started_fd)
         signal.set_wakeup_fd(-1)
         for fd in closing:
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.setpgid(0, 0)  # its own group, so the pool can kill it with everything it started
         from ddplab.pool import rank
 
         code = rank.main(spec, *fds)
@@ -447,11 +470,14 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
                 return
             if msg[0] != "fork":
                 continue
+            started_r, started_w = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _child(msg[1], [lifeline_fd, *fds], [sock.fileno(), wake_r, wake_w])
-            with contextlib.suppress(OSError):  # the child did it first, or is gone
-                os.setpgid(pid, pid)
+                _child(msg[1], [lifeline_fd, *fds], [sock.fileno(), wake_r, wake_w, started_r],
+                       started_w)
+            os.close(started_w)
+            os.read(started_r, 1)  # end of file: the rank leads its own session, or is gone
+            os.close(started_r)
             children.add(pid)
             for fd in fds:
                 os.close(fd)
