@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import pickle
 import select
@@ -53,11 +54,9 @@ _SERVER_MAIN = ("import sys; from ddplab.pool.kernel.forkserver import serve; "
 # The folder that holds the ddplab package (this file is ddplab/pool/kernel/forkserver.py).
 _PACKAGE_PARENT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 _MAX_FDS = 8
-IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "GLOO_", "NCCL_", "TORCHDYNAMO_",
-                        "TORCHINDUCTOR_")
-"""Variables with these prefixes may be read by torch at import (the compiler's among them:
-the server imports torch._dynamo too); rather than keep a list of which ones are (it
-changes between releases), all of them choose the server."""
+IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "GLOO_", "NCCL_")
+"""Variables with these prefixes may be read by torch at import; rather than keep a list
+of which ones are (it changes between releases), all of them choose the server."""
 
 Setting = tuple[tuple[str, str], ...]
 
@@ -415,18 +414,15 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
     sock = socket.socket(fileno=sock_fd)
     with _quiet_unless_failing():
         # Preload what every rank needs, once. Nothing here may start threads before fork.
-        # torch._dynamo, torch's compiler front end, too: DDP's constructor (and FSDP's, and
-        # torch.compile) imports it to ask whether compiled DDP is on, about 2 s of CPU, as
-        # long again as importing torch, in every rank that builds one (every checker's
-        # fresh pool, every rebuilt rank); imported here, every rank forked after has it for
-        # nothing. No public module imports it alone, hence the private name (imported,
-        # never called); tests/test_pool.py checks that a forked rank finds it imported.
         import cloudpickle  # noqa: F401
         import torch
-        import torch._dynamo
         import torch.distributed  # noqa: F401
 
         from ddplab.pool import rank  # noqa: F401
+    # What was imported stays for the server's life: out of the collector's sight, so that
+    # a rank's garbage collections never walk (and so copy, page by page) what it shares
+    # with the server.
+    gc.freeze()
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
