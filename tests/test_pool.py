@@ -322,6 +322,13 @@ def test_each_rank_leads_a_session_of_its_own(pool):
         assert session == group == pid
 
 
+def test_what_the_forkserver_imported_is_frozen_in_the_ranks(pool):
+    """gc.freeze in the server: a rank's collections leave what it shares with it alone."""
+    import gc
+
+    assert all(count > 100_000 for count in pool.run(gc.get_freeze_count))
+
+
 def test_ranks_use_one_thread_unless_asked():
     with Pool(1) as p:
         assert p.run(torch.get_num_threads) == [1]

@@ -657,8 +657,9 @@ SCRIPT_RANKS = 2
 SCRIPT_TIMEOUT_FACTOR = 4.0
 SCRIPT_MIN_TIMEOUT = 60.0
 """The learner's script may run SCRIPT_TIMEOUT_FACTOR times as long as ddplab.train's own
-run took on this machine just before (10 to 30 s on 2 busy cores), and never less than
-SCRIPT_MIN_TIMEOUT seconds: a hang is caught in a minute or two, a slow machine is no hang."""
+run took on this machine (10 to 30 s on 2 busy cores; made once per kernel, the first time
+a check needs it), and never less than SCRIPT_MIN_TIMEOUT seconds: a hang is caught in a
+minute or two, a slow machine is no hang."""
 REFERENCE_TIMEOUT = 300.0  # ddplab.train itself does not hang; this only bounds a broken set-up
 STACK_WAIT = 2.0  # seconds a hung rank gets to write its stack (SIGUSR1) before it is stopped
 CHECKPOINT = "checkpoint.pt"
@@ -702,11 +703,15 @@ def _read_trace(path) -> list[dict]:
     return events
 
 
-def _torchrun(target: list[str], folder, timeout: float) -> _Run:
+def _torchrun(target: list[str], folder, timeout: float,
+              longer: Callable[[], float] | None = None) -> _Run:
     """Run `target` under the probe with real torchrun (this Python's), in `folder`.
 
     The output is captured; on a timeout each rank is asked for its stack (SIGUSR1), then
     torchrun and every process it started are stopped, so nothing outlives the check.
+    `longer`, when given, is asked for the real deadline (seconds from the start) only if
+    the run outlasts `timeout`: a deadline that costs something to know (ddplab.train's
+    own time) is then worked out only for a run that needs it.
     """
     import contextlib
     import os
@@ -731,7 +736,14 @@ def _torchrun(target: list[str], folder, timeout: float) -> _Run:
                                stderr=subprocess.PIPE, start_new_session=True)
     stacks: dict[int, str] = {}
     try:
-        out, err = process.communicate(timeout=timeout)
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if longer is None:
+                raise
+            # communicate() may be called again after a timeout: it goes on collecting.
+            out, err = process.communicate(
+                timeout=max(0.0, longer() - (time.monotonic() - started)))
         returncode: int | None = process.returncode
     except subprocess.TimeoutExpired:
         returncode = None
@@ -863,11 +875,13 @@ def check_ddp_script(attempt) -> str:
     try:
         script = folder / name  # its own name: tracebacks read as the learner's file
         script.write_text(source, encoding="utf-8")
-        # The reference first (once per kernel): its time sets the script's deadline.
+        # The script first, the reference (ddplab.train's run, once per kernel) only when a
+        # verdict needs it: a script that does nothing yet or crashes is judged without
+        # it, a torchrun run (about 20 s of CPU) sooner. One that outlasts SCRIPT_MIN_TIMEOUT
+        # gets it while it runs on: its time sets that script's deadline.
+        run = _torchrun([str(script)], folder, SCRIPT_MIN_TIMEOUT, longer=_script_deadline)
+        _judge_run(run, source, str(script))
         reference, want = _reference()
-        deadline = max(SCRIPT_MIN_TIMEOUT, SCRIPT_TIMEOUT_FACTOR * reference.seconds)
-        run = _torchrun([str(script)], folder, deadline)
-        _judge_run(run, source, str(script), deadline, reference.seconds)
         _judge_data(run, reference)
         _judge_model(run, reference)
         return _judge_checkpoint(run, reference, want, folder)
@@ -875,11 +889,18 @@ def check_ddp_script(attempt) -> str:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _judge_run(run: _Run, source: str, script: str, deadline: float, took: float) -> None:
-    """Did the run finish (within `deadline` s; ddplab.train's took `took`), without errors,
-    through the four steps at all?"""
+def _script_deadline() -> float:
+    """How long the learner's script may run: SCRIPT_TIMEOUT_FACTOR times ddplab.train's
+    own run on this machine, and never less than SCRIPT_MIN_TIMEOUT seconds."""
+    return max(SCRIPT_MIN_TIMEOUT, SCRIPT_TIMEOUT_FACTOR * _reference()[0].seconds)
+
+
+def _judge_run(run: _Run, source: str, script: str) -> None:
+    """Did the run finish (within `_script_deadline()`), without errors, through the four
+    steps at all?"""
     ranks_ = range(SCRIPT_RANKS)
-    if run.hung:
+    if run.hung:  # it outlasted SCRIPT_MIN_TIMEOUT, so the reference was run meanwhile
+        deadline, took = _script_deadline(), _reference()[0].seconds
         where = "; ".join(f"rank {r} {_where_stuck(run.stacks.get(r, ''), script, source)}"
                           for r in ranks_ if r in run.stacks) or "no rank said where it was"
         raise NotYet(f"your script did not finish within {deadline:.0f} s under torchrun "

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import pickle
 import select
@@ -441,6 +442,10 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
         import torch.distributed  # noqa: F401
 
         from ddplab.pool import rank  # noqa: F401
+    # What was imported stays for the server's life: out of the collector's sight, so that
+    # a rank's garbage collections never walk (and so copy, page by page) what it shares
+    # with the server.
+    gc.freeze()
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
