@@ -1210,11 +1210,180 @@ CHAPTER_9B = [
 ]
 
 
+# --- chapter 10a: typical wrong attempts and the verdict each gets ---
+
+class _AllReduceForward:
+    """Megatron's g for the 10.1 attempts below, built on first use (torch on the ranks)."""
+
+    @staticmethod
+    def apply(partial, backward_too=False):
+        import torch
+        import torch.distributed as dist
+
+        class Sum(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                t = t.clone()
+                dist.all_reduce(t)
+                return t
+
+            @staticmethod
+            def backward(ctx, grad):
+                if backward_too:
+                    grad = grad.clone()
+                    dist.all_reduce(grad)
+                return grad
+
+        return Sum.apply(partial)
+
+
+def _my_columns(x):
+    import torch.distributed as dist
+
+    k = x.shape[-1] // dist.get_world_size()
+    return slice(dist.get_rank() * k, (dist.get_rank() + 1) * k)
+
+
+def _row_no_all_reduce(x, weight, bias):
+    """10.1, half done: each rank's partial sum, never added up."""
+    cols = _my_columns(x)
+    return x[:, cols] @ weight[:, cols].T + bias
+
+
+def _row_bias_on_every_rank(x, weight, bias):
+    """10.1, wrong: the bias added before the sum, so N copies of it are summed."""
+    cols = _my_columns(x)
+    return _AllReduceForward.apply(x[:, cols] @ weight[:, cols].T + bias)
+
+
+def _row_all_reduce_backward_too(x, weight, bias):
+    """10.1, wrong: f and g mixed up: the gradient all-reduced in backward as well."""
+    cols = _my_columns(x)
+    return _AllReduceForward.apply(x[:, cols] @ weight[:, cols].T, backward_too=True) + bias
+
+
+def _row_next_ranks_weight(x, weight, bias):
+    """10.1, wrong slice: this rank's input features times the next rank's weight columns."""
+    import torch.distributed as dist
+
+    cols = _my_columns(x)
+    k, n = cols.stop - cols.start, dist.get_world_size()
+    other = slice((dist.get_rank() + 1) % n * k, ((dist.get_rank() + 1) % n + 1) * k)
+    return _AllReduceForward.apply(x[:, cols] @ weight[:, other].T) + bias
+
+
+def _row_whole_weight(x, weight, bias):
+    """10.1, no parallelism: every rank computes the whole layer itself."""
+    return x @ weight.T + bias
+
+
+def _row_plain_all_reduce(x, weight, bias):
+    """10.1, by luck: dist.all_reduce on a tracked tensor, no backward of its own."""
+    import torch.distributed as dist
+
+    cols = _my_columns(x)
+    partial = x[:, cols] @ weight[:, cols].T
+    dist.all_reduce(partial)
+    return partial + bias
+
+
+def _row_detached_sum(x, weight, bias):
+    """10.1, wrong: the sum taken on a detached copy, cutting the graph."""
+    import torch.distributed as dist
+
+    cols = _my_columns(x)
+    partial = (x[:, cols] @ weight[:, cols].T).detach()
+    dist.all_reduce(partial)
+    return partial + bias
+
+
+def _swiglu_all_colwise(model, mesh):
+    """10.2, wrong: every layer column-wise: w2 meets a slice where it expects the whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    parallelize_module(model, mesh, {name: ColwiseParallel() for name in ("w1", "w2", "w3")})
+
+
+def _swiglu_gathered_hidden(model, mesh):
+    """10.2, wasteful: the hidden activation gathered whole, then cut again for w2."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(output_layouts=Replicate()),
+                                     "w3": ColwiseParallel(output_layouts=Replicate()),
+                                     "w2": RowwiseParallel(input_layouts=Replicate())})
+
+
+def _swiglu_each_input_its_own(model, mesh):
+    """10.2, half done: right forward, but w1 and w3 each reduce x's gradient."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                     "w2": RowwiseParallel()})
+
+
+def _swiglu_output_dtensor(model, mesh):
+    """10.2, wrong: the block hands a DTensor to whatever comes next."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                     "w2": RowwiseParallel(use_local_output=False)})
+    parallelize_module(model, mesh, PrepareModuleInput(input_layouts=Replicate(),
+                                                       desired_input_layouts=Replicate(),
+                                                       use_local_output=False))
+
+
+def _swiglu_nothing_sharded(model, mesh):
+    """10.2, not started: the block left whole on every rank."""
+
+
+CHAPTER_10A = [
+    ("10.1", _row_no_all_reduce, "for x of shape (5, 6) and a weight of shape (4, 6) on 3 "
+     "ranks, rank 0's output is its own partial sum", "which collective adds"),
+    ("10.1", _row_bias_on_every_rank, "for x of shape (5, 6) and a weight of shape (4, 6) on 3 "
+     "ranks, every rank's output is x Wᵀ + 3·b", "add it once, after the sum"),
+    ("10.1", _row_all_reduce_backward_too, "for x of shape (5, 6) and a weight of shape (4, 6) "
+     "on 3 ranks, the output is right, but rank 0's weight gradient is 3×", "the same on every"),
+    ("10.1", _row_next_ranks_weight, "for x of shape (5, 6) and a weight of shape (4, 6) on 3 "
+     "ranks, rank 0's output differs from x Wᵀ + b by up to", "the same columns of both"),
+    ("10.1", _row_whole_weight, "for x of shape (5, 6) and a weight of shape (4, 6) on 3 ranks, "
+     "the output is right, but rank 0 used the weight's columns 0:6", "only its own slice"),
+    ("10.1", _row_plain_all_reduce, "for x of shape (5, 6) and a weight of shape (4, 6) on 3 "
+     "ranks, the values are right, but dist.all_reduce ran on a tensor autograd tracks",
+     "torch.autograd.Function"),
+    ("10.1", _row_detached_sum, "for x of shape (5, 6) and a weight of shape (4, 6) on 3 ranks, "
+     "the output is right on rank 0, but no gradient reached the weight",
+     "torch.autograd.Function"),
+    ("10.2", _swiglu_nothing_sharded, "no parameter was sharded", "ColwiseParallel"),
+    ("10.2", _swiglu_all_colwise, "RuntimeError: a and b must have same reduction dim",
+     "RowwiseParallel"),
+    ("10.2", _swiglu_gathered_hidden, "the output is right, but its forward ran 2 × "
+     "all_gather_into_tensor, 1 × all_reduce", "only w2's partial sums meet"),
+    ("10.2", _swiglu_each_input_its_own, "forward is right, one all-reduce, but the backward "
+     "ran 2 × all_reduce", "PrepareModuleInput"),
+    ("10.2", _swiglu_output_dtensor, "the block's output is a DTensor", "which layer ends"),
+]
+
+
 # Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
 @pytest.mark.parametrize("exercise_id, attempt, message, hint",
                          CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4A
                          + CHAPTER_4B + CHAPTER_5 + CHAPTER_6
-                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B)
+                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B + CHAPTER_10A)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed
