@@ -204,6 +204,11 @@ def _check_row_case(pool, row_parallel: Callable, batch: int, n_in: int, n_out: 
 
 PLAN_WORLD = 2
 DIM, HIDDEN = 8, 16
+NOTHING_SHARDED = (
+    "no parameter was sharded: every rank holds and computes the whole block, so there is "
+    "nothing to add up (and no memory saved).",
+    "parallelize_module(model, mesh, {name: style, ...}) with a ParallelStyle "
+    "(ColwiseParallel, RowwiseParallel) for each of w1, w2 and w3.")
 
 
 def swiglu_block():
@@ -271,6 +276,21 @@ def plan_attempt_on_rank(attempt: Callable) -> dict:
             "backward": counts(bwd), "sharded": sharded}
 
 
+def _leaves_it_whole(attempt: Callable) -> bool:
+    """A dry run here, without ranks: does the attempt return, leaving every parameter a
+    plain tensor, when handed no mesh? Then it shards nothing, and the verdict
+    needs no pool (starting one, with DTensor, takes seconds). An attempt that does
+    anything with the mesh fails here, and is run for real on the ranks."""
+    from torch.distributed.tensor import DTensor
+
+    model = swiglu_block()
+    try:
+        attempt(model, None)
+    except Exception:  # it used the mesh: judged on real ranks
+        return False
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def _counted(counts: dict[str, int]) -> str:
     return ", ".join(f"{v} × {k}" for k, v in counts.items()) or "no collective"
 
@@ -282,6 +302,7 @@ def _counted(counts: dict[str, int]) -> str:
                "that slice as its input? In backward, w1 and w3 both send a gradient back "
                "to x: how can they share one input so that torch sums them before reducing?")
 def check_parallelize_swiglu(parallelize_swiglu: Callable) -> str:
+    expect(not _leaves_it_whole(parallelize_swiglu), *NOTHING_SHARDED)
     with ranks(PLAN_WORLD) as pool:
         got = run_in_time(pool, plan_attempt_on_rank, parallelize_swiglu, deadline=30.0,
                           meaning="The ranks did not make the same collective calls.",
@@ -296,11 +317,7 @@ def check_parallelize_swiglu(parallelize_swiglu: Callable) -> str:
            f"{out['error']} (while {out.get('where')}): the plan does not fit the block's shapes.",
            "a column-wise layer hands on its slice of the features, and the next layer must "
            "expect exactly that slice (RowwiseParallel), not the whole.")
-    expect(bool(out["sharded"]),
-           "no parameter was sharded: every rank holds and computes the whole block, so "
-           "there is nothing to add up (and no memory saved).",
-           "parallelize_module(model, mesh, {name: style, ...}) with a ParallelStyle "
-           "(ColwiseParallel, RowwiseParallel) for each of w1, w2 and w3.")
+    expect(bool(out["sharded"]), *NOTHING_SHARDED)
     expect(out["out"] < 1e-5,
            f"the output differs from the unsharded block's by up to {out['out']:.3g}.",
            "silu is elementwise, and so is the product: both can run on a slice of the "
