@@ -47,3 +47,25 @@ def test_flow_draws_every_ranks_slices_in_its_colour_and_fits_the_page(n, sp):
 def test_flow_refuses_a_world_it_cannot_draw():
     with pytest.raises(ValueError, match="draw 2 to 4 ranks"):
         viz.show_tp_flow(8)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_colour_means_a_rank_everywhere_else_neutral(sp):
+    """No patch that is not a rank's slice wears a rank's colour: sums are a neutral hatch,
+    and weights (dashed) are told apart from activations (solid) by their frame."""
+    fig = viz.show_tp_flow(2, sequence_parallel=sp)
+    ax = fig.axes[0]
+    ranks = {rgb(tint(rank_color(r))) for r in range(2)} | {rgb(tint(rank_color(r), 0.7))
+                                                             for r in range(2)}
+    hatched = [p for p in ax.patches if p.get_hatch() == "xx"]
+    assert hatched and all(rgb(p.get_facecolor()) not in ranks for p in hatched)
+    assert any(p.get_linestyle() == "--" for p in ax.patches)
+    for legend in ax.artists:
+        for handle, text in zip(legend.legend_handles, legend.get_texts(), strict=True):
+            if not text.get_text().startswith("rank "):
+                assert rgb(handle.get_facecolor()) not in ranks, text.get_text()
+
+
+def test_a_title_too_wide_for_the_page_is_refused():
+    with pytest.raises(ValueError, match="shorten the title"):
+        viz.show_tp_flow(2, title="x" * 120)
