@@ -2,8 +2,10 @@
 checked against the unsharded blocks (outputs and every gradient), their collectives
 recorded and counted against the arithmetic, SP's saved activations measured against TP's.
 
-Real ranks (one ddplab Pool of 4, gloo): the whole world as one TP group of 4, and two TP
-groups of 2 (ranks 0-1 and 2-3) for the explicit `group=` a 2-D mesh needs.
+Real ranks (one ddplab Pool of 4, gloo, shared by the module): the whole world as one TP
+group of 4 (the tensor-parallel blocks), and two TP groups of 2 (ranks 0-1 and 2-3: the
+sequence-parallel block) for the explicit `group=` a 2-D mesh needs. Every test that uses
+the pool is marked slow, so that the fast inner loop (`make quick`) starts no pool here.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from ddplab.parallel.tp import (
     RowParallelLinear,
     TensorParallelAttention,
     TensorParallelMLP,
+    causal_attention,
     copy_to_tp,
     reduce_from_tp,
+    shard_range,
 )
 from ddplab.sharding import measure_step, record_collectives
 
@@ -90,6 +94,7 @@ def f_and_g() -> dict:
     return {"f": (f_forward, f_grad), "g": (z.detach().tolist(), x.grad.tolist())}
 
 
+@pytest.mark.slow
 def test_f_is_identity_forward_and_all_reduce_backward_g_the_reverse(pool):
     for r, out in enumerate(pool.run(f_and_g)):
         assert out["f"] == ([r + 1.0] * 3, [10.0] * 3)  # 1 + 2 + 3 + 4
@@ -136,32 +141,24 @@ def attention_case(size: int) -> dict:
             "comms": [(c.kind, c.bytes, c.world_size) for c in comms]}
 
 
-# the groups of 2 (new_subgroups on every call) are the slower half: left out of `make quick`
-SIZES = [4, pytest.param(2, marks=pytest.mark.slow)]
-
-
-@pytest.mark.parametrize("case", ["mlp", "attention"])
-@pytest.mark.parametrize("size", SIZES)
-def test_tp_blocks_equal_the_unsharded_with_one_all_reduce_each_way(pool, case, size):
+@pytest.mark.slow
+def test_tp_blocks_equal_the_unsharded_with_one_all_reduce_each_way(pool):
     """Outputs, the input's gradient and every parameter's gradient (its slice) equal the
     unsharded block's; one all-reduce of the activations (B·T·D floats) forward, one
-    backward, over the TP group (of 4, or of 2: each pair its own group)."""
-    fn = mlp_case if case == "mlp" else attention_case
-    for out in pool.run(fn, size):
-        assert out["out"] < TOL and out["grad_x"] < TOL and out["grads"] < TOL, out
-        assert out["forward"] == 1
-        assert out["comms"] == [("all_reduce", B * T * D * F32, size)] * 2
-        if case == "attention":
-            assert out["heads"] == HEADS // size
-
-
-def test_tp_bytes_sent_per_step_are_the_ring_arithmetic(pool):
-    """Per rank per step, the MLP sends 2 all-reduces × 2(N-1)/N × B·T·D·4 bytes."""
+    backward, over the TP group of 4; per rank per step the MLP sends 2 all-reduces ×
+    2(N-1)/N × B·T·D·4 bytes (the ring arithmetic)."""
     from ddplab.sharding import Comm
 
-    comms = [Comm(0, kind, nbytes, 0.0, 0.0, n) for kind, nbytes, n in
-             pool.run(mlp_case, 4, ranks=None)[0]["comms"]]
-    assert sum(c.sent for c in comms) == 2 * round(2 * 3 / 4 * B * T * D * F32)
+    for case, fn in (("mlp", mlp_case), ("attention", attention_case)):
+        for out in pool.run(fn, 4):
+            assert out["out"] < TOL and out["grad_x"] < TOL and out["grads"] < TOL, (case, out)
+            assert out["forward"] == 1
+            assert out["comms"] == [("all_reduce", B * T * D * F32, 4)] * 2
+            if case == "attention":
+                assert out["heads"] == HEADS // 4
+            else:
+                comms = [Comm(0, kind, nbytes, 0.0, 0.0, n) for kind, nbytes, n in out["comms"]]
+                assert sum(c.sent for c in comms) == 2 * round(2 * 3 / 4 * B * T * D * F32)
 
 
 # --- sequence parallelism --------------------------------------------------------------
@@ -179,6 +176,7 @@ def gather_scatter() -> dict:
             "value": part[0, 0, 0].item(), "y_grad": y.grad[0, :, 0].tolist()}
 
 
+@pytest.mark.slow
 def test_gather_and_scatter_sequence_are_each_others_backward(pool):
     for r, out in enumerate(pool.run(gather_scatter)):
         assert out["gathered"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
@@ -210,12 +208,14 @@ def sp_case(size: int) -> dict:
             "comms": sorted((c.kind, c.bytes, c.world_size) for c in comms)}
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_sp_block_equals_the_unsharded_on_its_slice_of_the_sequence(pool, size):
+@pytest.mark.slow
+def test_sp_block_equals_the_unsharded_on_its_slice_of_the_sequence(pool):
     """Each rank's output and input gradient are its slice of the unsharded block's; every
     gradient equals (LayerNorm's and fc2's bias: whole, after their all-reduce). Forward
     one all-gather in and one reduce-scatter out (payload: the whole B·T·D activation),
-    backward the reverse, plus three all-reduces of D floats (ln.weight, ln.bias, fc2.bias)."""
+    backward the reverse, plus three all-reduces of D floats (ln.weight, ln.bias, fc2.bias).
+    Split over the pairs of ranks (0-1, 2-3): the explicit group a 2-D mesh passes."""
+    size = 2
     for out in pool.run(sp_case, size):
         assert out["out"] < TOL and out["grad_x"] < TOL and out["grads"] < TOL, out
         act = B * T * D * F32
@@ -235,6 +235,7 @@ def saved_activations(dropout: float) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_sp_saves_less_activation_memory_than_tp_by_the_arithmetic(pool):
     """Per rank, the ledger's saved activations (bytes, fp32, N = 4), layer by layer:
     TP saves LayerNorm's input B·T·D and its two statistics B·T, fc1's input B·T·D,
@@ -263,6 +264,9 @@ def errors() -> dict:
         "row_input": lambda: RowParallelLinear(nn.Linear(8, 8))(torch.ones(2, 8)),
         "sequence": lambda: split_sequence(torch.ones(2, 6, 8)),
     }
+    pair = dist.new_group([0, 1])  # collective: every rank makes it, only 0 and 1 are in it
+    if dist.get_rank() >= 2:
+        attempts["not_in_group"] = lambda: shard_range(8, pair)
     for name, attempt in attempts.items():
         try:
             attempt()
@@ -272,8 +276,9 @@ def errors() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_bad_input_gets_an_error_naming_the_problem_and_the_fix(pool):
-    out = pool.run(errors, ranks=[0, 1, 2, 3])[0]
+    out = pool.run(errors)[2]
     assert "out_features = 6 does not split over 4 ranks" in out["columns"]
     assert "in_features = 6 does not split over 4 ranks" in out["rows"]
     assert "full nn.Linear" in out["not_linear"] and "Conv1d" in out["not_linear"]
@@ -281,3 +286,15 @@ def test_bad_input_gets_an_error_naming_the_problem_and_the_fix(pool):
     assert "divisible by the number of heads" in out["head_dim"]
     assert "this rank's slice of the input features (2 of them), got 8" in out["row_input"]
     assert "6 positions" in out["sequence"] and "divisible by 4" in out["sequence"]
+    assert "rank 2 is not in this group" in out["not_in_group"]
+
+
+def test_attention_without_ranks_checks_its_heads_and_masks_on_the_inputs_device():
+    """No pool: the causal mask is built where q lives (the same code runs on a GPU), and a
+    width the heads do not divide is refused."""
+    q = torch.randn(1, 3, 4)
+    out = causal_attention(q, q, q, head_dim=2)
+    assert out.shape == (1, 3, 4) and out.device == q.device
+    assert torch.allclose(out[:, 0], q[:, 0])  # the first position sees only itself
+    with pytest.raises(ValueError, match="divisible by the number of heads"):
+        Attention(10, 4)

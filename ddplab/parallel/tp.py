@@ -49,8 +49,14 @@ __all__ = ["MLP", "Attention", "ColumnParallelLinear", "RowParallelLinear",
 
 def shard_range(size: int, group: Any = None, what: str = "size") -> tuple[int, int]:
     """[start, stop) of this rank's equal slice of `size` in `group`; a clear error when the
-    group's size does not divide it (Megatron requires even slices, and so does this)."""
+    group's size does not divide it (Megatron requires even slices, and so does this), or
+    when this rank is not in the group (torch then answers -1 for both, which would give
+    empty or negative slices silently)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
+    if r < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not in this group: build the layer only "
+                         "on the ranks of the group it is split over (dist.new_group(ranks) "
+                         "returns a group that the other ranks must not use)")
     if size % n:
         raise ValueError(f"{what} = {size} does not split over {n} ranks: tensor parallelism "
                          f"gives every rank an equal slice, so choose a {what} divisible by "
@@ -197,7 +203,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, t, _ = q.shape
     q, k, v = (z.view(b, t, -1, head_dim).transpose(1, 2) for z in (q, k, v))
     scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
-    mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
     out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
     return out.transpose(1, 2).reshape(b, t, -1)
 
