@@ -29,6 +29,19 @@ column-parallel layer for its weight gradient (B·T·dim, the whole sequence). M
 saves only the shard and all-gathers it again in backward, trading one more all-gather
 for that memory. Activations here are laid out (batch, sequence, dim); the sequence is
 dimension 1, and `dim=` says otherwise.
+
+Dropout's random numbers across ranks, which the two blocks need differently. Under TP
+alone dropout acts on an activation every rank holds whole, so every rank must draw the
+SAME mask, or the values that should be equal on every rank silently drift apart (here
+they are equal when every rank's generator is seeded alike, as torch seeds every new
+process). Under SP each rank holds DIFFERENT positions, so each needs a mask of its own:
+seeded alike, rank r would reuse rank 0's pattern, the mask repeating every T/N
+positions, which is not the unsharded block's dropout. Megatron-LM keeps a model-parallel
+RNG tracker that forks a per-rank seed for dropout in such regions; torch's DTensor has
+an RNG tracker of its own for random ops on sharded DTensors (torch 2.13: CUDA-like
+devices only). These blocks draw from torch's global generator as it is, so before
+training with dropout under SP seed each rank apart (`torch.manual_seed(seed + rank)`),
+and under TP alike; the chapter compares them with dropout off.
 """
 
 from __future__ import annotations
