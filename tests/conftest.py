@@ -147,6 +147,9 @@ FILE_SECONDS = {
     "09a_sharding_by_hand.ipynb": 60, "09b_fsdp.ipynb": 60, "test_sharding.py": 60,
     "test_viz_memory.py": 10, "test_planner.py": 10,
     # 05 from 215: 5.4's reference made only when needed (benchmarks/RESULTS.md)
+    # chapter 10a (2026-11-27): the notebook takes 20 s of CPU (user + sys, all its
+    # processes) and ran in 69 s under a load of 15-20; test_tp.py 55 s under a load of 10-30
+    "10a_tensor_parallel.ipynb": 40, "test_tp.py": 40, "test_viz_placements.py": 8,
 }
 """Each file's test time, in seconds, on a loaded 2-core machine (the whole suite with
 `--durations=0`, 2026-11-27; 6b and the browser test, which need what that machine lacks,

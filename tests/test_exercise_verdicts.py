@@ -1250,11 +1250,240 @@ CHAPTER_9B = [
 ]
 
 
+# --- chapter 10a: typical wrong attempts and the verdict each gets ---
+
+def _gather(part, backward="slice"):
+    """An all-gather of each rank's slice along the last dimension for the 10.1 attempts
+    below, built on first use (torch on the ranks). Its backward: "slice" (right), "sum"
+    (the output's gradient summed over the ranks first: N copies)."""
+    import torch
+    import torch.distributed as dist
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            pieces = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+            dist.all_gather(pieces, t.contiguous())
+            ctx.k = t.shape[-1]
+            return torch.cat(pieces, dim=-1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            if backward == "sum":
+                grad = grad.clone()
+                dist.all_reduce(grad)
+            r = dist.get_rank()
+            return grad[..., r * ctx.k:(r + 1) * ctx.k].contiguous()
+
+    return Gather.apply(part)
+
+
+def _copy_in(x):
+    """Megatron's f for the 10.1 attempts below: identity forward, all-reduce backward."""
+    import torch
+    import torch.distributed as dist
+
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad)
+            return grad
+
+    return Copy.apply(x)
+
+
+def _my_rows(weight, shift=0):
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    k, r = weight.shape[0] // n, (dist.get_rank() + shift) % n
+    return slice(r * k, (r + 1) * k)
+
+
+def _col_no_gather(x, weight, bias):
+    """10.1, half done: each rank hands on its own slice of the output features."""
+    rows = _my_rows(weight)
+    return _copy_in(x) @ weight[rows].T + bias[rows]
+
+
+def _col_plain_all_gather(x, weight, bias):
+    """10.1, wrong: dist.all_gather into new tensors, which autograd knows nothing about."""
+    import torch
+    import torch.distributed as dist
+
+    rows = _my_rows(weight)
+    part = x @ weight[rows].T + bias[rows]
+    pieces = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, part.detach())
+    return torch.cat(pieces, dim=-1)
+
+
+def _col_gather_sums_backward(x, weight, bias):
+    """10.1, wrong: the gather's backward sums the output's gradient over the ranks."""
+    rows = _my_rows(weight)
+    return _gather(_copy_in(x) @ weight[rows].T + bias[rows], backward="sum")
+
+
+def _col_no_f(x, weight, bias):
+    """10.1, half done: no f, so x's gradient is only this rank's share."""
+    rows = _my_rows(weight)
+    return _gather(x @ weight[rows].T + bias[rows])
+
+
+def _col_detached_x(x, weight, bias):
+    """10.1, wrong: x detached before use: the weight learns, x gets no gradient."""
+    rows = _my_rows(weight)
+    return _gather(_copy_in(x.detach()) @ weight[rows].T + bias[rows])
+
+
+def _col_detached_weight(x, weight, bias):
+    """10.1, wrong: the weight's slice taken through .data: it gets no gradient."""
+    rows = _my_rows(weight)
+    return _gather(_copy_in(x) @ weight.data[rows].T + bias[rows])
+
+
+def _col_next_ranks_rows(x, weight, bias):
+    """10.1, wrong slice: the next rank's rows of the weight and bias."""
+    rows = _my_rows(weight, shift=1)
+    return _gather(_copy_in(x) @ weight[rows].T + bias[rows])
+
+
+def _col_whole_weight(x, weight, bias):
+    """10.1, no parallelism: every rank computes the whole layer itself."""
+    return x @ weight.T + bias
+
+
+def _swiglu_sp_nothing_sharded(model, mesh):
+    """10.2, not started: the block left whole on every rank."""
+
+
+def _swiglu_sp_plain_tp(model, mesh):
+    """10.2, wrong: the chapter's TP plan, as if every rank held every position."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                     "w2": RowwiseParallel()})
+
+
+def _swiglu_sp_each_gathers(model, mesh):
+    """10.2, wasteful: w1 and w3 each told their input is Shard(1): two all-gathers."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(input_layouts=Shard(1)),
+                                     "w3": ColwiseParallel(input_layouts=Shard(1)),
+                                     "w2": RowwiseParallel(output_layouts=Shard(1))})
+
+
+def _swiglu_sp_whole_output(model, mesh):
+    """10.2, half done: the positions gathered once, but w2's sums left whole everywhere."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                     "w2": RowwiseParallel()})
+    parallelize_module(model, mesh, PrepareModuleInput(input_layouts=Shard(1),
+                                                       desired_input_layouts=Replicate(),
+                                                       use_local_output=False))
+
+
+def _swiglu_sp_w2_cut(model, mesh):
+    """10.2, wrong: w2 told its input is sharded, but cut column-wise: its output is a
+    slice of the features."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                     "w2": ColwiseParallel(input_layouts=Shard(-1))})
+    parallelize_module(model, mesh, PrepareModuleInput(input_layouts=Shard(1),
+                                                       desired_input_layouts=Replicate(),
+                                                       use_local_output=False))
+
+
+def _swiglu_sp_all_colwise(model, mesh):
+    """10.2, wrong: every layer column-wise: w2 meets a slice where it expects the whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    parallelize_module(model, mesh, {name: ColwiseParallel() for name in ("w1", "w2", "w3")})
+
+
+def _swiglu_sp_output_dtensor(model, mesh):
+    """10.2, wrong: the block hands a DTensor to whatever comes next."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                     "w2": RowwiseParallel(output_layouts=Shard(1),
+                                                           use_local_output=False)})
+    parallelize_module(model, mesh, PrepareModuleInput(input_layouts=Shard(1),
+                                                       desired_input_layouts=Replicate(),
+                                                       use_local_output=False))
+
+
+_COL = "for x of shape (5, 4) and a weight of shape (6, 4) on 3 ranks, "
+CHAPTER_10A = [
+    ("10.1", _col_no_gather, _COL + "rank 0 returned a tensor of shape (5, 2): its own slice",
+     "which collective gives every rank"),
+    ("10.1", _col_plain_all_gather, _COL + "the output is right on rank 0, but it is cut off "
+     "from autograd", "torch.autograd.Function"),
+    ("10.1", _col_gather_sums_backward, _COL + "the output is right, but rank 0's weight "
+     "gradient is 3×", "does that need any communication"),
+    ("10.1", _col_no_f, _COL + "the output and the weight's gradient are right, but rank 0's "
+     "gradient of x is only its own slice's share", "a sum over the ranks"),
+    ("10.1", _col_detached_x, _COL + "the output is right on rank 0, but no gradient reached "
+     "x: it was detached", "use the tensors as they come"),
+    ("10.1", _col_detached_weight, _COL + "the output is right on rank 0, but no gradient "
+     "reached weight: it was detached", "use the tensors as they come"),
+    ("10.1", _col_next_ranks_rows, _COL + "rank 0's output differs from x Wᵀ + b by up to",
+     "joined in rank order"),
+    ("10.1", _col_whole_weight, _COL + "the output is right, but rank 0 used the weight's "
+     "rows 0:6", "only"),
+    ("10.2", _swiglu_sp_nothing_sharded, "no parameter was sharded", "ParallelStyle"),
+    ("10.2", _swiglu_sp_plain_tp, "rank 0's output differs from the unsharded block's by up "
+     "to", "Shard(1)"),
+    ("10.2", _swiglu_sp_each_gathers, "the values are right, but the forward ran 2 × "
+     "all_gather_into_tensor", "gather once"),
+    ("10.2", _swiglu_sp_whole_output, "rank 0's output is (2, 4, 8): all 4 positions",
+     "which placement"),
+    ("10.2", _swiglu_sp_w2_cut, "rank 0's output is (2, 4, 4), a slice of the features",
+     "sums"),
+    ("10.2", _swiglu_sp_all_colwise, "RuntimeError", "RowwiseParallel"),
+    ("10.2", _swiglu_sp_output_dtensor, "rank 0's output is a DTensor", "which layer ends"),
+]
+
+
 # Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
 @pytest.mark.parametrize("exercise_id, attempt, message, hint",
                          CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4A
                          + CHAPTER_4B + CHAPTER_5 + CHAPTER_6
-                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B)
+                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B + CHAPTER_10A)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed

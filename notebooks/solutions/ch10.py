@@ -1,0 +1,79 @@
+"""Instructor solutions for chapter 10 (model parallelism: tensor, sequence, pipeline and
+expert parallelism by hand, and torch's own).
+
+One function per exercise, named as the exercise's `solution`; `tests/test_exercises.py`
+checks that each passes `check("10.N", ...)`. Learners: try first, then compare.
+"""
+
+import torch
+import torch.distributed as dist
+
+# --- 10.1 a column-parallel linear layer with its output gathered ---
+
+
+class _CopyIn(torch.autograd.Function):
+    """Megatron's f: identity forward; backward, the shares of x's gradient (one from each
+    rank's rows of the weight) summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _GatherOut(torch.autograd.Function):
+    """All-gather forward (the slices side by side, on every rank); backward, this rank's
+    columns of the output's gradient, which every rank already holds whole: no
+    communication (a reduce-scatter here would add N copies)."""
+
+    @staticmethod
+    def forward(ctx, part):
+        n = dist.get_world_size()
+        pieces = [torch.empty_like(part) for _ in range(n)]
+        dist.all_gather(pieces, part.contiguous())
+        ctx.k = part.shape[-1]
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        r = dist.get_rank()
+        return grad[..., r * ctx.k:(r + 1) * ctx.k].contiguous()
+
+
+def column_parallel_gathered(x, weight, bias):
+    """Exercise 10.1: rank r keeps rows r·k:(r+1)·k of the weight and the bias (its output
+    features); f in front, so x's gradient is summed; the slices all-gathered behind."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    k = weight.shape[0] // n
+    rows = slice(r * k, (r + 1) * k)
+    part = _CopyIn.apply(x) @ weight[rows].T + bias[rows]
+    return _GatherOut.apply(part)
+
+
+# --- 10.2 a SwiGLU block with sequence parallelism ---
+
+
+def parallelize_swiglu_sp(model, mesh):
+    """Exercise 10.2: the block's input, each rank's positions (Shard(1)), all-gathered ONCE
+    into a Replicate() DTensor that w1 and w3 share (so in backward their gradients for it
+    are added as Partial before the one reduce-scatter); w1 and w3 column-wise (silu and
+    the product stay local); w2 row-wise, its partial sums reduce-scattered along the
+    sequence (Shard(1)), each rank keeping its positions."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                     "w2": RowwiseParallel(output_layouts=Shard(1))})
+    parallelize_module(model, mesh, PrepareModuleInput(input_layouts=Shard(1),
+                                                       desired_input_layouts=Replicate(),
+                                                       use_local_output=False))
