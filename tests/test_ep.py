@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddplab import Pool
+from ddplab.parallel.cp import attention, positions, ring_attention, ring_schedule, split_sequence
 from ddplab.parallel.ep import MoE, capacity, make_moe, moe_reference, route
 
 DIM, HIDDEN = 8, 16
@@ -170,3 +171,96 @@ def test_no_process_group_is_named():
         pytest.skip("this test process has a process group")
     with pytest.raises(RuntimeError, match="moe_reference on one process"):
         MoE(*make_moe(DIM, HIDDEN, 4))
+
+
+# --- ring attention (ddplab.parallel.cp) -------------------------------------------------
+
+def ring_vs_full(causal: bool, layout: str, members: list[int] | None = None) -> dict:
+    """Max |Δ| between this rank's ring-attention rows and the same rows of full attention
+    on one process, and the point-to-point calls this rank made."""
+    from ddplab.sharding import record_collectives
+
+    group = dist.new_group(members) if members else None
+    if members and dist.get_rank() not in members:
+        return {}
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 2, 16, 8, generator=g).unbind(0)  # 2 heads, 16 tokens
+    with record_collectives() as comms:
+        out = ring_attention(*(split_sequence(t, r, n, layout) for t in (q, k, v)),
+                             causal=causal, layout=layout, group=group)
+    want = split_sequence(attention(q, k, v, causal), r, n, layout)
+    return {"delta": (out - want).abs().max().item(), "shape": list(out.shape),
+            "calls": [(c.kind, c.bytes) for c in comms]}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_attention_equals_full_attention(pool, layout):
+    for causal in (False, True):
+        for r in pool.run(ring_vs_full, causal, layout):
+            assert r["delta"] < 1e-5, (causal, r)
+            assert r["shape"] == [2, 4, 8]
+            # three ring steps: a K/V block (2 x 2 heads x 4 tokens x 8 x 4 bytes) out, one in
+            assert r["calls"] == [("isend", 512), ("irecv", 512)] * 3
+    for r in pool.run(ring_vs_full, True, layout, [3, 1])[1::2]:  # a ring of 2, out of order
+        assert r["delta"] < 1e-5 and r["shape"] == [2, 8, 8], r
+
+
+def test_zigzag_balances_causal_work():
+    contiguous = ring_schedule(4, 16, layout="contiguous")
+    zigzag = ring_schedule(4, 16, layout="zigzag")
+    total = [sum(row[r].work for row in contiguous) for r in range(4)]
+    assert total == [10, 26, 42, 58]  # rank r: r full blocks and one triangle of 4 tokens
+    assert [sum(row[r].work for row in zigzag) for r in range(4)] == [34] * 4
+    assert sum(total) == 16 * 17 // 2  # the causal mask keeps S(S+1)/2 scores in all
+    assert [s.source for s in zigzag[1]] == [3, 0, 1, 2]
+    assert zigzag[1][0].chunks == (3, 4)
+    assert positions(16, 1, 4, "zigzag").tolist() == [2, 3, 12, 13]
+
+
+def bad_ring(case: str) -> str:
+    x = torch.zeros(2, 4, 8)
+    try:
+        if case == "layout":
+            ring_attention(x, x, x, layout="spiral")
+        elif case == "shapes":
+            ring_attention(x, x[:, :3], x[:, :3])
+        elif case == "length":
+            split_sequence(torch.zeros(2, 12, 8), 0, 4, "zigzag")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, words", [
+    ("layout", "layout must be one of ('contiguous', 'zigzag'), not 'spiral'"),
+    ("shapes", "q, k and v must hold the same tokens"),
+    ("length", "a sequence of 12 tokens does not split into 8 equal chunks"),
+])
+def test_bad_ring_input_is_named(pool, case, words):
+    for message in pool.run(bad_ring, case):
+        assert words in message, message
+
+
+def torch_context_parallel() -> str:
+    """torch's own context_parallel on CPU: what it says (the claim the chapter makes)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    q, k, v = torch.randn(3, 1, 2, 16, 8).unbind(0)
+    try:
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except NotImplementedError as e:
+        return str(e)
+    return "ran"
+
+
+@pytest.mark.slow
+def test_torchs_context_parallel_needs_gpu_attention_kernels(pool):
+    """torch 2.13's ring attention handles the CUDA kernels (flash, efficient, cuDNN);
+    on a CPU SDPA picks its CPU flash kernel, which has no sharding rule."""
+    for message in pool.run(torch_context_parallel):
+        assert "_scaled_dot_product_flash_attention_for_cpu" in message, message
