@@ -1210,11 +1210,113 @@ CHAPTER_9B = [
 ]
 
 
+# --- chapter 10c: typical wrong attempts and the verdict each gets ---
+
+def _route_with(tokens, dest, *, exchange=True, sort=True, splits=True, dtype=None):
+    """10.5: the solution with one step changed at a time (see the rows below)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    counts = torch.bincount(dest, minlength=world)
+    if dtype is not None:
+        counts = counts.to(getattr(torch, dtype))
+    counts_in = torch.empty_like(counts)
+    if exchange:
+        dist.all_to_all_single(counts_in, counts)
+    else:
+        counts_in = counts  # this rank's own send counts, as if they were what it receives
+    rows = tokens[torch.argsort(dest, stable=True)] if sort else tokens
+    if not splits:
+        out = torch.empty_like(rows)
+        dist.all_to_all_single(out, rows)
+        return out
+    out = tokens.new_empty((int(counts_in.sum()), tokens.shape[1]))
+    dist.all_to_all_single(out, rows, output_split_sizes=counts_in.tolist(),
+                           input_split_sizes=counts.tolist())
+    return out
+
+
+def _counts_not_exchanged(tokens, dest):
+    """10.5, wrong: output_split_sizes are this rank's own send counts."""
+    return _route_with(tokens, dest, exchange=False)
+
+
+def _unsorted_rows(tokens, dest):
+    """10.5, wrong: the right split sizes, the rows in their original order."""
+    return _route_with(tokens, dest, sort=False)
+
+
+def _even_splits(tokens, dest):
+    """10.5, wrong: all_to_all_single without split sizes."""
+    return _route_with(tokens, dest, splits=False)
+
+
+def _float_counts(tokens, dest):
+    """10.5, wrong: counts made float before the exchange, so the split sizes are floats."""
+    return _route_with(tokens, dest, dtype="float32")
+
+
+def _float_count_buffer(tokens, dest):
+    """10.5, wrong: int64 counts received into a float32 buffer (torch.empty(n))."""
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.bincount(dest, minlength=dist.get_world_size())
+    counts_in = torch.empty(dist.get_world_size())
+    dist.all_to_all_single(counts_in, counts)
+    return counts_in
+
+
+def _unstable_sort(tokens, dest):
+    """10.5, wrong: rows sorted by destination, but the last token first within one."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    counts = torch.bincount(dest, minlength=world)
+    counts_in = torch.empty_like(counts)
+    dist.all_to_all_single(counts_in, counts)
+    order = torch.argsort(dest.flip(0), stable=True)
+    rows = tokens.flip(0)[order]
+    out = tokens.new_empty((int(counts_in.sum()), tokens.shape[1]))
+    dist.all_to_all_single(out, rows, output_split_sizes=counts_in.tolist(),
+                           input_split_sizes=counts.tolist())
+    return out
+
+
+def _returns_what_it_sends(tokens, dest):
+    """10.5, wrong: the exchange done, but the sorted input returned."""
+    import torch
+
+    _route_with(tokens, dest)
+    return tokens[torch.argsort(dest, stable=True)]
+
+
+CHAPTER_10C = [
+    ("10.5", _counts_not_exchanged, "with 3 ranks holding 5, 3, 4 tokens (case 1), rank 0 "
+     "expects 1 row from rank 1", "exchange the counts first"),
+    ("10.5", _unsorted_rows, "with 3 ranks holding 5, 3, 4 tokens (case 1), rank 0 received "
+     "rank 0's token 0 (meant for rank 2)", "stable=True"),
+    ("10.5", _even_splits, "with 3 ranks holding 5, 3, 4 tokens (case 1), rank 0 called "
+     "all_to_all_single without split sizes on 5 rows", "give input_split_sizes"),
+    ("10.5", _float_counts, "with 3 ranks holding 5, 3, 4 tokens (case 1), rank 0 passed "
+     "input_split_sizes [1.0, 1.0, 3.0]", ".tolist()"),
+    ("10.5", _float_count_buffer, "with 3 ranks holding 5, 3, 4 tokens (case 1), rank 0 "
+     "called all_to_all_single with input int64 and output float32", "empty_like"),
+    ("10.5", _unstable_sort, "with 3 ranks holding 5, 3, 4 tokens (case 1), rank 0 received "
+     "the right rows in the wrong order", "stable"),
+    ("10.5", _returns_what_it_sends, "with 3 ranks holding 5, 3, 4 tokens (case 1), rank 0 "
+     "returned its own rows sorted by destination", "output buffer"),
+]
+
+
 # Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
 @pytest.mark.parametrize("exercise_id, attempt, message, hint",
                          CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4A
                          + CHAPTER_4B + CHAPTER_5 + CHAPTER_6
-                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B)
+                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B
+                         + CHAPTER_10C)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed
