@@ -264,3 +264,22 @@ def test_torchs_context_parallel_needs_gpu_attention_kernels(pool):
     on a CPU SDPA picks its CPU flash kernel, which has no sharding rule."""
     for message in pool.run(torch_context_parallel):
         assert "_scaled_dot_product_flash_attention_for_cpu" in message, message
+
+
+# --- who talks to whom: the recorder names each call's group ------------------------------
+
+def groups_recorded() -> list:
+    from ddplab.sharding import record_collectives
+
+    row = dist.new_group([0, 1]), dist.new_group([2, 3])
+    with record_collectives() as comms:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.all_reduce(t, group=row[dist.get_rank() // 2])
+    return [(c.kind, c.group, c.world_size) for c in comms]
+
+
+def test_the_recorder_names_the_group_of_each_call(pool):
+    for rank, calls in enumerate(pool.run(groups_recorded)):
+        mine = (0, 1) if rank < 2 else (2, 3)
+        assert calls == [("all_reduce", (0, 1, 2, 3), 4), ("all_reduce", mine, 2)]

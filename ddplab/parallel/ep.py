@@ -77,7 +77,8 @@ class Routing:
 
 def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
     """Rows one expert accepts from one group of `tokens` tokens: the even share of the
-    group's T * k choices, times the factor, rounded up (Fedus et al. 2021, eq. 4)."""
+    group's T * k choices, times the factor, rounded up (the Switch Transformer's expert
+    capacity, Fedus et al. 2021)."""
     return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 
