@@ -74,7 +74,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if causal:
         n = q.shape[-2]
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, -math.inf)
     return torch.softmax(scores, dim=-1) @ v
 
 
@@ -120,7 +121,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         after, before = dist.get_global_rank(group, after), dist.get_global_rank(group, before)
     kv = torch.stack([k, v]).contiguous()  # one message per step, not two
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
     for step in range(world):
         if step < world - 1:  # post the next block's transfer first, then compute
             incoming = torch.empty_like(kv)
@@ -129,7 +130,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         mask = None
         if causal:
             theirs = positions(seq_len, source, world, layout)
-            mask = mine.unsqueeze(1) >= theirs.unsqueeze(0)
+            mask = (mine.unsqueeze(1) >= theirs.unsqueeze(0)).to(q.device)
         if mask is None or mask.any():  # a block entirely in the future is skipped
             block_out, block_lse = block_attention(q, kv[0], kv[1], mask)
             out, lse = combine(out, lse, block_out, block_lse)
