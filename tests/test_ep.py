@@ -62,6 +62,7 @@ def moe_vs_reference(sizes: list[int], num_experts: int, top_k: int, cf: float,
             "received": moe.last.received}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_equals_one_process(pool, top_k):
     for cf in (1.0, 1.25, 2.0):
@@ -78,6 +79,7 @@ def test_moe_equals_one_process(pool, top_k):
     assert not sum(r["dropped"] for r in pool.run(moe_vs_reference, [12] * 4, 8, top_k, 8.0))
 
 
+@pytest.mark.slow
 def test_uneven_loads_and_a_rank_without_tokens(pool):
     """Ranks with different numbers of tokens, one with none at all; on a subgroup of 2
     (the explicit `group`) with 3 experts per rank."""
@@ -108,6 +110,7 @@ def hot_expert_drops(cf: float) -> dict:
             "accepted": moe.last.routing.accepted()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cf, cap", [(1.0, 2), (1.25, 3), (2.0, 4)])
 def test_drop_counts_follow_the_capacity_factor(pool, cf, cap):
     """8 tokens, 4 experts, top-1: capacity = ceil(cf * 8 / 4); the first `cap` tokens are
@@ -161,6 +164,7 @@ def bad_moe(case: str) -> str:
     ("router", "the router scores 6 experts but 4 were given"),
     ("shape", "flatten batch and sequence first"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_named(pool, case, words):
     for message in pool.run(bad_moe, case):
         assert words in message, message
@@ -194,6 +198,7 @@ def ring_vs_full(causal: bool, layout: str, members: list[int] | None = None) ->
             "calls": [(c.kind, c.bytes) for c in comms]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_attention_equals_full_attention(pool, layout):
     for causal in (False, True):
@@ -237,9 +242,38 @@ def bad_ring(case: str) -> str:
     ("shapes", "q, k and v must hold the same tokens"),
     ("length", "a sequence of 12 tokens does not split into 8 equal chunks"),
 ])
+@pytest.mark.slow
 def test_bad_ring_input_is_named(pool, case, words):
     for message in pool.run(bad_ring, case):
         assert words in message, message
+
+
+def outside_the_group() -> dict:
+    group = dist.new_group([0, 1])  # every rank creates it; ranks 2 and 3 are not in it
+    if dist.get_rank() < 2:
+        moe = MoE(*make_moe(DIM, HIDDEN, 4), top_k=2, group=group)
+        moe(torch.randn(6, DIM)).sum().backward()
+        return {"kept graph": moe.last.routing.weight.requires_grad}
+    messages = {}
+    for name, call in (("moe", lambda: MoE(*make_moe(DIM, HIDDEN, 4), group=group)),
+                       ("ring", lambda: ring_attention(*[torch.zeros(1, 4, 8)] * 3,
+                                                       group=group))):
+        try:
+            call()
+            messages[name] = "no error"
+        except ValueError as e:
+            messages[name] = str(e)
+    return messages
+
+
+@pytest.mark.slow
+def test_a_rank_outside_the_group_is_named_and_the_record_holds_no_graph(pool):
+    got = pool.run(outside_the_group)
+    assert got[0] == got[1] == {"kept graph": False}
+    for rank in (2, 3):
+        for name in ("moe", "ring"):
+            assert f"this rank ({rank}) is not in the group it was given (its ranks: [0, 1])" \
+                in got[rank][name], got[rank][name]
 
 
 def torch_context_parallel() -> str:
@@ -279,6 +313,7 @@ def groups_recorded() -> list:
     return [(c.kind, c.group, c.world_size) for c in comms]
 
 
+@pytest.mark.slow
 def test_the_recorder_names_the_group_of_each_call(pool):
     for rank, calls in enumerate(pool.run(groups_recorded)):
         mine = (0, 1) if rank < 2 else (2, 3)

@@ -113,19 +113,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         raise ValueError(f"q, k and v must hold the same tokens [..., S/N, d]: got "
                          f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not in the group it was given (its "
+                         f"ranks: {dist.get_process_group_ranks(group)}): call ring_attention "
+                         "only on the group's members")
     seq_len = q.shape[-2] * world
     mine = positions(seq_len, rank, world, layout)  # also checks the layout and the length
-    # isend/irecv take global ranks: the neighbours' ranks in the world.
-    after, before = ((rank + 1) % world, (rank - 1) % world)
-    if group is not None:
-        after, before = dist.get_global_rank(group, after), dist.get_global_rank(group, before)
+    # The neighbours, as ranks within the group (isend's group_dst, irecv's group_src).
+    after, before = (rank + 1) % world, (rank - 1) % world
     kv = torch.stack([k, v]).contiguous()  # one message per step, not two
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
     for step in range(world):
         if step < world - 1:  # post the next block's transfer first, then compute
             incoming = torch.empty_like(kv)
-            works = [dist.isend(kv, after, group=group), dist.irecv(incoming, before, group=group)]
+            works = [dist.isend(kv, group=group, group_dst=after),
+                     dist.irecv(incoming, group=group, group_src=before)]
         source = (rank - step) % world
         mask = None
         if causal:

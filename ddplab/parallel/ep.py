@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -154,6 +154,11 @@ class MoE(nn.Module):
                                "process")
         _check(router, len(experts), top_k, capacity_factor)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not in the group it was given "
+                             "(its ranks: "
+                             f"{dist.get_process_group_ranks(group)}): build the MoE only on "
+                             "the group's members, or pass a group that holds this rank")
         if len(experts) % world:
             raise ValueError(
                 f"{len(experts)} experts cannot be split evenly over {world} ranks: use a "
@@ -192,7 +197,10 @@ class MoE(nn.Module):
             out = out.index_put((mine,), expert_j(rows[mine]))
         # 3. Combine: results travel back the way they came, then are weighted and summed.
         back = all_to_all(out, recv, send, self.group)
-        self.last = Dispatch(r, counts.tolist(), counts_in.tolist())
+        # The record keeps the gates without their autograd graph, so holding it after
+        # backward does not hold the router's graph too.
+        self.last = Dispatch(replace(r, weight=r.weight.detach()), counts.tolist(),
+                             counts_in.tolist())
         y = torch.zeros_like(x)
         return y.index_add(0, token, back * gate.unsqueeze(1).to(back.dtype))
 
