@@ -283,7 +283,9 @@ class Comm:
     `time.monotonic()` seconds; an async op ends when it is known to be complete (its
     Work's `wait()` returned, its `is_completed()` said so, or its future completed), and
     at the end of the recording block at the latest. `group` is the ranks (in the world)
-    of the process group it ran on: who this rank talked to, on a 2-D mesh a row or a column.
+    of the process group the call ran on: for a collective, who this rank talked to (on a
+    2-D mesh a row or a column); for a point-to-point call (send, recv, isend, irecv) only
+    the group it was issued on, not the peer (its `dst`/`src`, not recorded).
     """
 
     rank: int
