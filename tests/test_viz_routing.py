@@ -116,3 +116,38 @@ def test_bad_input_is_named(call, words):
 
 def test_the_pictures_need_no_torch():
     assert "torch" not in sys.modules.get("ddplab.viz.routing").__dict__
+
+
+# --- links: who talks to whom on a mesh, from recorded calls ---
+
+TP_CALLS = [[("all_reduce", 256, (0, 1))] * 4 + [("all_gather_single", 2144, (0, 2))],
+            [("all_reduce", 256, (0, 1))] * 4 + [("all_gather_single", 2144, (1, 3))],
+            [("all_reduce", 256, (2, 3))] * 4 + [("all_gather_single", 2144, (0, 2))],
+            [("all_reduce", 256, (2, 3))] * 4 + [("all_gather_single", 2144, (1, 3))]]
+
+
+def test_traffic_counts_each_group_once_from_its_first_member():
+    from ddplab.viz.links import group_traffic
+
+    traffic = group_traffic(TP_CALLS)
+    assert traffic[(0, 1)] == {"calls": {"all_reduce": 4}, "sent": 1024}
+    assert traffic[(0, 2)] == {"calls": {"all_gather_single": 1}, "sent": 2144}
+    assert set(traffic) == {(0, 1), (2, 3), (0, 2), (1, 3)}
+
+
+def test_links_label_calls_and_bytes_and_widen_with_bytes():
+    fig = viz.show_group_traffic([[0, 1], [2, 3]], {"a": TP_CALLS, "b": TP_CALLS[:1]})
+    assert fig.get_size_inches()[0] <= MAX_WIDTH
+    assert "all-reduce ×4\n1,024 B sent" in texts(fig)
+    assert "all-gather ×1\n2,144 B sent" in texts(fig)
+    widths = sorted({round(line.get_linewidth(), 2) for line in fig.axes[0].lines})
+    assert widths == [round(1 + 7 * 1024 / 2144, 2), 8.0]
+    boxes = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+    assert [edge(p) for p in boxes[:4]] == [rgb(viz.line_color(viz.rank_color(r)))
+                                             for r in range(4)]
+
+
+def test_links_name_a_group_outside_the_mesh():
+    with pytest.raises(ValueError) as info:
+        viz.show_group_traffic([[0, 1]], {"run": [[("all_reduce", 4, (0, 5))]]})
+    assert "not in the mesh" in str(info.value)
