@@ -282,7 +282,10 @@ class Comm:
     (not this rank's own figure); all of it for a send, nothing for a receive. Times are
     `time.monotonic()` seconds; an async op ends when it is known to be complete (its
     Work's `wait()` returned, its `is_completed()` said so, or its future completed), and
-    at the end of the recording block at the latest.
+    at the end of the recording block at the latest. `group` is the ranks (in the world)
+    of the process group the call ran on: for a collective, who this rank talked to (on a
+    2-D mesh a row or a column); for a point-to-point call (send, recv, isend, irecv) only
+    the group it was issued on, not the peer (its `dst`/`src`, not recorded).
     """
 
     rank: int
@@ -291,6 +294,7 @@ class Comm:
     start: float
     end: float
     world_size: int = 1
+    group: tuple[int, ...] = ()
 
     @property
     def sent(self) -> int:
@@ -437,7 +441,9 @@ class record_collectives(contextlib.AbstractContextManager):
 
     def _record(self, kind: str, payload: Any, group: Any) -> Comm:
         comm = Comm(dist.get_rank(), kind, _nbytes(payload), time.monotonic(),
-                    float("nan"), dist.get_world_size(group))
+                    float("nan"), dist.get_world_size(group),
+                    tuple(dist.get_process_group_ranks(group if group is not None
+                                                       else dist.group.WORLD)))
         self.comms.append(comm)
         return comm
 

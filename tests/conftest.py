@@ -134,7 +134,7 @@ NEEDS_LAUNCHERS = {"06b_launchers_clusters.ipynb"}
 
 FILE_SECONDS = {
     "06a_launchers_torchrun.ipynb": 300, "test_exercise_ddp_script.py": 250,
-    "05_ddp_mnist.ipynb": 175, "test_exercise_verdicts.py": 205,
+    "05_ddp_mnist.ipynb": 175, "test_exercise_verdicts.py": 330,
     "06b_launchers_clusters.ipynb": 200, "test_pool.py": 120, "test_train.py": 115,
     "01_processes_and_ranks.ipynb": 85, "test_doctor.py": 85,
     "07a_debugging_collectives.ipynb": 80, "test_exercises.py": 70, "test_browser.py": 70,
@@ -150,6 +150,10 @@ FILE_SECONDS = {
     # chapter 10a (2026-11-27): the notebook takes 20 s of CPU (user + sys, all its
     # processes) and ran in 69 s under a load of 15-20; test_tp.py 55 s under a load of 10-30
     "10a_tensor_parallel.ipynb": 40, "test_tp.py": 40, "test_viz_placements.py": 8,
+    # chapter 10c: single runs on the same machine under a load of about 12-20
+    # (2026-11-27); the verdicts file above grew by 10.5's thirteen rows (about 115 s, a
+    # 3-rank pool each)
+    "10c_context_experts_2d.ipynb": 40, "test_ep.py": 60, "test_viz_routing.py": 12,
 }
 """Each file's test time, in seconds, on a loaded 2-core machine (the whole suite with
 `--durations=0`, 2026-11-27; 6b and the browser test, which need what that machine lacks,

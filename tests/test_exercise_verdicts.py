@@ -1479,11 +1479,182 @@ CHAPTER_10A = [
 ]
 
 
+# --- chapter 10c: typical wrong attempts and the verdict each gets ---
+
+def _route_with(tokens, expert, num_experts, *, exchange=True, sort=True, splits=True,
+                dtype=None, minlength=True, out_like_rows=False, regroup=True, stable=True,
+                holder=None):
+    """10.5: the solution with one step changed at a time (see the rows below)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    per_rank = num_experts // world
+    if holder is not None:            # experts relabelled as if rank e % N held expert e
+        expert = holder(expert, world, per_rank)
+    counts = torch.bincount(expert, minlength=num_experts if minlength else 0)
+    if dtype is not None:
+        counts = counts.to(getattr(torch, dtype))
+    counts_in = torch.empty_like(counts)
+    if exchange:
+        dist.all_to_all_single(counts_in, counts)
+    else:
+        counts_in = counts  # this rank's own send counts, as if they were what it receives
+    key = expert.flip(0) if not stable else expert
+    order = torch.argsort(key, stable=True)
+    rows = (tokens.flip(0) if not stable else tokens)[order] if sort else tokens
+    if not splits:
+        out = torch.empty_like(rows)
+        dist.all_to_all_single(out, rows)
+        return out
+    send = counts.view(world, per_rank).sum(1).tolist()
+    recv = counts_in.view(world, per_rank).sum(1).tolist()
+    out = torch.empty_like(rows) if out_like_rows else \
+        tokens.new_empty((int(counts_in.sum()), tokens.shape[1]))
+    dist.all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send)
+    if not regroup:
+        return out
+    local = torch.arange(per_rank).repeat(world).repeat_interleave(counts_in)
+    return out[torch.argsort(local, stable=True)]
+
+
+def _counts_not_exchanged(tokens, expert, num_experts):
+    """10.5, wrong: output_split_sizes are this rank's own send counts."""
+    return _route_with(tokens, expert, num_experts, exchange=False)
+
+
+def _unsorted_rows(tokens, expert, num_experts):
+    """10.5, wrong: the right split sizes, the rows in their original order."""
+    return _route_with(tokens, expert, num_experts, sort=False)
+
+
+def _even_splits(tokens, expert, num_experts):
+    """10.5, wrong: all_to_all_single without split sizes."""
+    return _route_with(tokens, expert, num_experts, splits=False)
+
+
+def _float_counts(tokens, expert, num_experts):
+    """10.5, wrong: counts made float before the exchange, so the split sizes are floats."""
+    return _route_with(tokens, expert, num_experts, dtype="float32")
+
+
+def _float_count_buffer(tokens, expert, num_experts):
+    """10.5, wrong: int64 counts received into a float32 buffer (torch.empty(n))."""
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.bincount(expert, minlength=num_experts)
+    counts_in = torch.empty(num_experts)
+    dist.all_to_all_single(counts_in, counts)
+    return counts_in
+
+
+def _unstable_sort(tokens, expert, num_experts):
+    """10.5, wrong: rows sorted by expert, but the last token first within one."""
+    return _route_with(tokens, expert, num_experts, stable=False)
+
+
+def _returns_what_it_sends(tokens, expert, num_experts):
+    """10.5, wrong: the exchange done, but the sorted input returned."""
+    import torch
+
+    _route_with(tokens, expert, num_experts)
+    return tokens[torch.argsort(expert, stable=True)]
+
+
+def _bincount_without_minlength(tokens, expert, num_experts):
+    """10.5, wrong: torch.bincount(expert) stops at the largest expert present."""
+    return _route_with(tokens, expert, num_experts, minlength=False)
+
+
+def _output_like_input(tokens, expert, num_experts):
+    """10.5, wrong: the output buffer made with empty_like(rows): the rows it sends."""
+    return _route_with(tokens, expert, num_experts, out_like_rows=True)
+
+
+def _splits_per_expert(tokens, expert, num_experts):
+    """10.5, wrong: the per-expert counts used as split sizes (6 numbers for 3 ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.bincount(expert, minlength=num_experts)
+    counts_in = torch.empty_like(counts)
+    dist.all_to_all_single(counts_in, counts)
+    rows = tokens[torch.argsort(expert, stable=True)]
+    out = tokens.new_empty((int(counts_in.sum()), tokens.shape[1]))
+    dist.all_to_all_single(out, rows, output_split_sizes=counts_in.tolist(),
+                           input_split_sizes=counts.tolist())
+    return out
+
+
+def _rows_by_all_gather(tokens, expert, num_experts):
+    """10.5, wrong: counts by all_to_all_single, then every rank's rows all-gathered (as
+    objects) and filtered, instead of the uneven all-to-all."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    counts = torch.bincount(expert, minlength=num_experts)
+    counts_in = torch.empty_like(counts)
+    dist.all_to_all_single(counts_in, counts)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (tokens, expert))
+    per_rank = num_experts // world
+    mine = [(e, t) for rows, experts in everyone
+            for t, e in zip(rows, experts.tolist(), strict=True) if e // per_rank == rank]
+    mine.sort(key=lambda pair: pair[0])
+    return torch.stack([t for _, t in mine]) if mine else tokens.new_empty((0, 2))
+
+
+def _not_regrouped(tokens, expert, num_experts):
+    """10.5, wrong: the rows returned as they arrived, sender by sender."""
+    return _route_with(tokens, expert, num_experts, regroup=False)
+
+
+def _round_robin(tokens, expert, num_experts):
+    """10.5, wrong: expert e sent to rank e % N (relabelled so rank e % N's block is hit)."""
+    return _route_with(tokens, expert, num_experts,
+                       holder=lambda e, world, per_rank: (e % world) * per_rank
+                       + e // world)
+
+
+CASE1 = "with 3 ranks holding 5, 3, 4 tokens (case 1), "
+CHAPTER_10C = [
+    ("10.5", _counts_not_exchanged, CASE1 + "rank 0 expects 1 row from rank 1",
+     "exchange the counts first"),
+    ("10.5", _unsorted_rows, CASE1 + "rank 0 received rank 0's token 0 (for expert 5, held "
+     "by rank 2)", "stable=True"),
+    ("10.5", _even_splits, CASE1 + "rank 0 called all_to_all_single without split sizes on "
+     "5 rows", "give input_split_sizes"),
+    ("10.5", _float_counts, CASE1 + "rank 0 passed input_split_sizes [1.0, 1.0, 3.0]",
+     ".tolist()"),
+    ("10.5", _float_count_buffer, CASE1 + "rank 0 called all_to_all_single with input int64 "
+     "and output float32", "empty_like"),
+    ("10.5", _unstable_sort, CASE1 + "rank 1 received the right rows in the wrong order",
+     "stable"),
+    ("10.5", _returns_what_it_sends, CASE1 + "rank 0 returned its own rows sorted by expert",
+     "output buffer"),
+    ("10.5", _bincount_without_minlength, CASE1 + "rank 1's counts have 5 entries",
+     "minlength=num_experts"),
+    ("10.5", _output_like_input, CASE1 + "rank 0's output has 5 rows but its "
+     "output_split_sizes [1, 2, 0] add up to 3", "sum of the counts it received"),
+    ("10.5", _splits_per_expert, CASE1 + "rank 0 passed input_split_sizes [1, 0, 0, 1, 1, 2]",
+     "counts.view(world, -1).sum(1)"),
+    ("10.5", _rows_by_all_gather, CASE1 + "rank 0 moved no rows with all_to_all_single",
+     "one uneven call"),
+    ("10.5", _not_regrouped, CASE1 + "rank 1 returned the right rows in the order they "
+     "arrived", "stable sort"),
+    ("10.5", _round_robin, CASE1 + "rank 0 received rank 0's token 3 (for expert 3, held by "
+     "rank 1): the experts were dealt", "e // (E // N)"),
+]
+
+
 # Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
 @pytest.mark.parametrize("exercise_id, attempt, message, hint",
                          CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4A
                          + CHAPTER_4B + CHAPTER_5 + CHAPTER_6
-                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B + CHAPTER_10A)
+                         + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B
+                         + CHAPTER_10A + CHAPTER_10C)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed

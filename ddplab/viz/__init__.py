@@ -38,7 +38,12 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
   global tensor and each rank's local shard for placements such as Shard(0) on a mesh;
 - placements (`placements`): `show_tp_flow`, an MLP block split by tensor (and sequence)
   parallelism, a row per rank: which weight slice each holds, the partial sums, and the
-  one collective where the ranks meet.
+  one collective where the ranks meet;
+- routing (`routing`): `show_routing`, a mixture-of-experts layer's tokens flowing from
+  each rank to the experts (and to "dropped"); `show_expert_load`, rows per expert from
+  each rank against the capacity, the dropped ones hatched;
+- links (`links`): `show_group_traffic`, the ranks of a 2-D mesh joined by the process
+  groups recorded calls ran on, each link labelled with its calls and bytes sent.
 
 They all draw with the shared primitives: the palette (`palette`: a colour always means a
 rank), what a cell holds (`cells`), the canvas (`canvas`: inches, panels, arrows, legends)
@@ -57,10 +62,12 @@ from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH
 from ddplab.viz.cells import EMPTY_BUFFER, Owner, as_grid, format_value, owner_grid
 from ddplab.viz.curves import LossCurves
 from ddplab.viz.data import show_deal, show_digits, show_sampler
+from ddplab.viz.links import show_group_traffic
 from ddplab.viz.memory import show_memory, show_memory_breakdown
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
 from ddplab.viz.placements import show_tp_flow
 from ddplab.viz.png import png_bytes, screen_size
+from ddplab.viz.routing import show_expert_load, show_routing
 from ddplab.viz.shards import show_dtensor, show_shards
 from ddplab.viz.tensors import (
     show_before_after,
@@ -94,8 +101,10 @@ __all__ = [
     "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
     "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
     "show_before_after", "show_buckets", "show_cluster", "show_ddp_step", "show_deal",
-    "show_digits", "show_dtensor", "show_flight", "show_inbox", "show_launch", "show_leftover",
+    "show_digits", "show_dtensor", "show_expert_load",
+    "show_flight", "show_group_traffic", "show_inbox", "show_launch", "show_leftover",
     "show_memory", "show_memory_breakdown", "show_mesh", "show_nesting", "show_overlap",
-    "show_ranks", "show_rendezvous", "show_ring", "show_sampler", "show_shards", "show_steps",
+    "show_ranks", "show_rendezvous", "show_ring", "show_routing", "show_sampler", "show_shards",
+    "show_steps",
     "show_store", "show_timeline", "show_tp_flow", "show_transfers", "text_color", "tint",
 ]

@@ -1,0 +1,320 @@
+"""ddplab.parallel.ep (expert parallelism) and ddplab.parallel.cp (ring attention) against
+the same computation on one process, on real ranks (a ddplab Pool, gloo), one pool for all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddplab import Pool
+from ddplab.parallel.cp import attention, positions, ring_attention, ring_schedule, split_sequence
+from ddplab.parallel.ep import MoE, capacity, make_moe, moe_reference, route
+
+DIM, HIDDEN = 8, 16
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Pool(4, timeout=60) as p:
+        yield p
+
+
+def tokens(sizes: list[int], seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, DIM, generator=g) for n in sizes]
+
+
+def moe_vs_reference(sizes: list[int], num_experts: int, top_k: int, cf: float,
+                     members: list[int] | None = None) -> dict:
+    """Output and gradient differences between MoE on the ranks `members` (a subgroup;
+    None: the world) and moe_reference on one process, with this rank's dispatch."""
+    group = dist.new_group(members) if members else None
+    if members and dist.get_rank() not in members:
+        return {}
+    me = dist.get_rank(group)
+    groups = tokens(sizes)
+    moe = MoE(*make_moe(DIM, HIDDEN, num_experts), top_k=top_k, capacity_factor=cf,
+              group=group)
+    x = groups[me].clone().requires_grad_()
+    y = moe(x)
+    (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+    router, experts = make_moe(DIM, HIDDEN, num_experts)
+    xs = [g.clone().requires_grad_() for g in groups]
+    ys = moe_reference(xs, router, experts, top_k=top_k, capacity_factor=cf)
+    sum((t * torch.arange(t.numel()).view_as(t).sin()).sum() for t in ys).backward()
+    # Each expert sees rows from every rank, so its gradient is already the total; the
+    # router saw only this rank's tokens: its gradients add up over the ranks.
+    router_grad = moe.router.weight.grad.clone()
+    dist.all_reduce(router_grad, group=group)
+    local = num_experts // dist.get_world_size(group)
+    expert_delta = max(
+        (p.grad - q.grad).abs().max().item()
+        for mine, ref in zip(moe.experts, experts[me * local:(me + 1) * local], strict=True)
+        for p, q in zip(mine.parameters(), ref.parameters(), strict=True))
+    return {"out": (y - ys[me]).abs().max().item() if len(y) else 0.0,
+            "x_grad": (x.grad - xs[me].grad).abs().max().item() if len(y) else 0.0,
+            "router_grad": (router_grad - router.weight.grad).abs().max().item(),
+            "expert_grad": expert_delta,
+            "dropped": moe.last.routing.dropped(), "sent": moe.last.sent,
+            "received": moe.last.received}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_equals_one_process(pool, top_k):
+    for cf in (1.0, 1.25, 2.0):
+        results = pool.run(moe_vs_reference, [12, 12, 12, 12], 8, top_k, cf)
+        for r in results:
+            for key in ("out", "x_grad", "router_grad", "expert_grad"):
+                assert r[key] < 1e-5, (cf, key, r)
+        # what rank a sent to rank b is what rank b received from rank a
+        for a, ra in enumerate(results):
+            for b, rb in enumerate(results):
+                assert ra["sent"][2 * b:2 * b + 2] == rb["received"][a]
+    # a tight capacity drops, a loose one does not
+    assert sum(r["dropped"] for r in pool.run(moe_vs_reference, [12] * 4, 8, top_k, 1.0))
+    assert not sum(r["dropped"] for r in pool.run(moe_vs_reference, [12] * 4, 8, top_k, 8.0))
+
+
+@pytest.mark.slow
+def test_uneven_loads_and_a_rank_without_tokens(pool):
+    """Ranks with different numbers of tokens, one with none at all; on a subgroup of 2
+    (the explicit `group`) with 3 experts per rank."""
+    results = pool.run(moe_vs_reference, [0, 5, 23, 9], 4, 2, 1.25)
+    for r in results:
+        assert max(r[k] for k in ("out", "x_grad", "router_grad", "expert_grad")) < 1e-5, r
+    assert sum(results[0]["sent"]) == 0 and results[0]["dropped"] == 0
+    sub = pool.run(moe_vs_reference, [7, 30], 6, 1, 1.0, [1, 2])
+    assert sub[0] == {} and sub[3] == {}
+    for r in sub[1:3]:
+        assert r["out"] < 1e-5 and r["x_grad"] < 1e-5, r
+        assert len(r["sent"]) == 6 and len(r["received"]) == 2 and len(r["received"][0]) == 3
+
+
+def hot_expert_drops(cf: float) -> dict:
+    """Every token of every rank wants expert 0: the capacity decides who is computed."""
+    router, experts = make_moe(DIM, HIDDEN, 4)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[0, 0] = 1.0
+    x = torch.ones(8, DIM)  # expert 0 scores 1, the others 0: all choose expert 0
+    moe = MoE(router, experts, top_k=1, capacity_factor=cf)
+    y = moe(x)
+    computed = (y.abs().sum(dim=1) > 0).tolist()
+    return {"dropped": moe.last.routing.dropped(), "capacity": moe.last.routing.capacity,
+            "computed": computed, "received": moe.last.received,
+            "requested": moe.last.routing.requested(),
+            "accepted": moe.last.routing.accepted()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cf, cap", [(1.0, 2), (1.25, 3), (2.0, 4)])
+def test_drop_counts_follow_the_capacity_factor(pool, cf, cap):
+    """8 tokens, 4 experts, top-1: capacity = ceil(cf * 8 / 4); the first `cap` tokens are
+    computed, the rest dropped (zero output), on every rank alike."""
+    assert capacity(8, 4, 1, cf) == cap
+    for r in pool.run(hot_expert_drops, cf):
+        assert r["capacity"] == cap and r["dropped"] == 8 - cap
+        assert r["computed"] == [True] * cap + [False] * (8 - cap)
+        assert r["requested"] == [8, 0, 0, 0] and r["accepted"] == [cap, 0, 0, 0]
+    received = pool.run(hot_expert_drops, cf)[0]["received"]
+    assert received == [[cap], [cap], [cap], [cap]]  # rank 0 holds expert 0: all come here
+
+
+def test_top2_second_choices_yield_to_first_choices():
+    """GShard's priority: a second choice never pushes out a first choice."""
+    router = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(2))
+    # tokens 0-2 prefer expert 1 (second choice expert 0); token 3 prefers expert 0
+    x = torch.tensor([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
+    r = route(x, router, top_k=2, capacity_factor=0.5)  # capacity ceil(0.5*4*2/2) = 2
+    assert r.capacity == 2
+    assert r.kept[:, 0].tolist() == [True, True, False, True]
+    # expert 0's two places: token 3's first choice, then token 0's second choice
+    assert r.kept[:, 1].tolist() == [True, False, False, False]
+    assert r.dropped() == 4
+
+
+def bad_moe(case: str) -> str:
+    router, experts = make_moe(DIM, HIDDEN, 6)
+    try:
+        if case == "divisible":
+            MoE(router, experts)  # 6 experts on 4 ranks
+        elif case == "top_k":
+            MoE(*make_moe(DIM, HIDDEN, 4), top_k=5)
+        elif case == "factor":
+            MoE(*make_moe(DIM, HIDDEN, 4), capacity_factor=0)
+        elif case == "router":
+            MoE(router, experts[:4])
+        elif case == "shape":
+            MoE(*make_moe(DIM, HIDDEN, 4))(torch.zeros(2, 3, DIM))
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, words", [
+    ("divisible", "6 experts cannot be split evenly over 4 ranks"),
+    ("top_k", "top_k must be an int from 1 to the number of experts (4), not 5"),
+    ("factor", "capacity_factor must be > 0"),
+    ("router", "the router scores 6 experts but 4 were given"),
+    ("shape", "flatten batch and sequence first"),
+])
+@pytest.mark.slow
+def test_bad_input_is_named(pool, case, words):
+    for message in pool.run(bad_moe, case):
+        assert words in message, message
+
+
+def test_no_process_group_is_named():
+    if dist.is_initialized():
+        pytest.skip("this test process has a process group")
+    with pytest.raises(RuntimeError, match="moe_reference on one process"):
+        MoE(*make_moe(DIM, HIDDEN, 4))
+
+
+# --- ring attention (ddplab.parallel.cp) -------------------------------------------------
+
+def ring_vs_full(causal: bool, layout: str, members: list[int] | None = None) -> dict:
+    """Max |Δ| between this rank's ring-attention rows and the same rows of full attention
+    on one process, and the point-to-point calls this rank made."""
+    from ddplab.sharding import record_collectives
+
+    group = dist.new_group(members) if members else None
+    if members and dist.get_rank() not in members:
+        return {}
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 2, 16, 8, generator=g).unbind(0)  # 2 heads, 16 tokens
+    with record_collectives() as comms:
+        out = ring_attention(*(split_sequence(t, r, n, layout) for t in (q, k, v)),
+                             causal=causal, layout=layout, group=group)
+    want = split_sequence(attention(q, k, v, causal), r, n, layout)
+    return {"delta": (out - want).abs().max().item(), "shape": list(out.shape),
+            "calls": [(c.kind, c.bytes) for c in comms]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_attention_equals_full_attention(pool, layout):
+    for causal in (False, True):
+        for r in pool.run(ring_vs_full, causal, layout):
+            assert r["delta"] < 1e-5, (causal, r)
+            assert r["shape"] == [2, 4, 8]
+            # three ring steps: a K/V block (2 x 2 heads x 4 tokens x 8 x 4 bytes) out, one in
+            assert r["calls"] == [("isend", 512), ("irecv", 512)] * 3
+    for r in pool.run(ring_vs_full, True, layout, [3, 1])[1::2]:  # a ring of 2, out of order
+        assert r["delta"] < 1e-5 and r["shape"] == [2, 8, 8], r
+
+
+def test_zigzag_balances_causal_work():
+    contiguous = ring_schedule(4, 16, layout="contiguous")
+    zigzag = ring_schedule(4, 16, layout="zigzag")
+    total = [sum(row[r].work for row in contiguous) for r in range(4)]
+    assert total == [10, 26, 42, 58]  # rank r: r full blocks and one triangle of 4 tokens
+    assert [sum(row[r].work for row in zigzag) for r in range(4)] == [34] * 4
+    assert sum(total) == 16 * 17 // 2  # the causal mask keeps S(S+1)/2 scores in all
+    assert [s.source for s in zigzag[1]] == [3, 0, 1, 2]
+    assert zigzag[1][0].chunks == (3, 4)
+    assert positions(16, 1, 4, "zigzag").tolist() == [2, 3, 12, 13]
+
+
+def bad_ring(case: str) -> str:
+    x = torch.zeros(2, 4, 8)
+    try:
+        if case == "layout":
+            ring_attention(x, x, x, layout="spiral")
+        elif case == "shapes":
+            ring_attention(x, x[:, :3], x[:, :3])
+        elif case == "length":
+            split_sequence(torch.zeros(2, 12, 8), 0, 4, "zigzag")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, words", [
+    ("layout", "layout must be one of ('contiguous', 'zigzag'), not 'spiral'"),
+    ("shapes", "q, k and v must hold the same tokens"),
+    ("length", "a sequence of 12 tokens does not split into 8 equal chunks"),
+])
+@pytest.mark.slow
+def test_bad_ring_input_is_named(pool, case, words):
+    for message in pool.run(bad_ring, case):
+        assert words in message, message
+
+
+def outside_the_group() -> dict:
+    group = dist.new_group([0, 1])  # every rank creates it; ranks 2 and 3 are not in it
+    if dist.get_rank() < 2:
+        moe = MoE(*make_moe(DIM, HIDDEN, 4), top_k=2, group=group)
+        moe(torch.randn(6, DIM)).sum().backward()
+        return {"kept graph": moe.last.routing.weight.requires_grad}
+    messages = {}
+    for name, call in (("moe", lambda: MoE(*make_moe(DIM, HIDDEN, 4), group=group)),
+                       ("ring", lambda: ring_attention(*[torch.zeros(1, 4, 8)] * 3,
+                                                       group=group))):
+        try:
+            call()
+            messages[name] = "no error"
+        except ValueError as e:
+            messages[name] = str(e)
+    return messages
+
+
+@pytest.mark.slow
+def test_a_rank_outside_the_group_is_named_and_the_record_holds_no_graph(pool):
+    got = pool.run(outside_the_group)
+    assert got[0] == got[1] == {"kept graph": False}
+    for rank in (2, 3):
+        for name in ("moe", "ring"):
+            assert f"this rank ({rank}) is not in the group it was given (its ranks: [0, 1])" \
+                in got[rank][name], got[rank][name]
+
+
+def torch_context_parallel() -> str:
+    """torch's own context_parallel on CPU: what it says (the claim the chapter makes)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    q, k, v = torch.randn(3, 1, 2, 16, 8).unbind(0)
+    try:
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except NotImplementedError as e:
+        return str(e)
+    return "ran"
+
+
+@pytest.mark.slow
+def test_torchs_context_parallel_needs_gpu_attention_kernels(pool):
+    """torch 2.13's ring attention handles the CUDA kernels (flash, efficient, cuDNN);
+    on a CPU SDPA picks its CPU flash kernel, which has no sharding rule."""
+    for message in pool.run(torch_context_parallel):
+        assert "_scaled_dot_product_flash_attention_for_cpu" in message, message
+
+
+# --- who talks to whom: the recorder names each call's group ------------------------------
+
+def groups_recorded() -> list:
+    from ddplab.sharding import record_collectives
+
+    row = dist.new_group([0, 1]), dist.new_group([2, 3])
+    with record_collectives() as comms:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.all_reduce(t, group=row[dist.get_rank() // 2])
+    return [(c.kind, c.group, c.world_size) for c in comms]
+
+
+@pytest.mark.slow
+def test_the_recorder_names_the_group_of_each_call(pool):
+    for rank, calls in enumerate(pool.run(groups_recorded)):
+        mine = (0, 1) if rank < 2 else (2, 3)
+        assert calls == [("all_reduce", (0, 1, 2, 3), 4), ("all_reduce", mine, 2)]
