@@ -35,7 +35,10 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
   beside them; `show_memory_breakdown`: one rank's bar, each part named with its share;
 - shards (`shards`): `show_shards`, which rank holds which shard of which tensor at each
   moment of a step (own, gathered copy, not held, freed); `show_dtensor`, a DTensor's
-  global tensor and each rank's local shard for placements such as Shard(0) on a mesh.
+  global tensor and each rank's local shard for placements such as Shard(0) on a mesh;
+- schedules (`schedules`): `show_schedule`, a pipeline step with one lane per stage, each
+  micro-batch's forward and backward from real timestamps (and an ideal schedule beside it),
+  the idle time (the bubble) grey; `idle_share`, each stage's idle share of the step.
 
 They all draw with the shared primitives: the palette (`palette`: a colour always means a
 rank), what a cell holds (`cells`), the canvas (`canvas`: inches, panels, arrows, legends)
@@ -57,6 +60,7 @@ from ddplab.viz.data import show_deal, show_digits, show_sampler
 from ddplab.viz.memory import show_memory, show_memory_breakdown
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
 from ddplab.viz.png import png_bytes, screen_size
+from ddplab.viz.schedules import idle_share, show_schedule
 from ddplab.viz.shards import show_dtensor, show_shards
 from ddplab.viz.tensors import (
     show_before_after,
@@ -87,11 +91,11 @@ from ddplab.viz.topology import (
 
 __all__ = [
     "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
-    "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
-    "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
+    "Owner", "Span", "as_grid", "format_value", "idle_share", "line_color", "owner_grid",
+    "png_bytes", "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
     "show_before_after", "show_buckets", "show_cluster", "show_ddp_step", "show_deal",
     "show_digits", "show_dtensor", "show_flight", "show_inbox", "show_launch", "show_leftover",
     "show_memory", "show_memory_breakdown", "show_mesh", "show_nesting", "show_overlap",
-    "show_ranks", "show_rendezvous", "show_ring", "show_sampler", "show_shards", "show_steps",
-    "show_store", "show_timeline", "show_transfers", "text_color", "tint",
+    "show_ranks", "show_rendezvous", "show_ring", "show_sampler", "show_schedule", "show_shards",
+    "show_steps", "show_store", "show_timeline", "show_transfers", "text_color", "tint",
 ]
