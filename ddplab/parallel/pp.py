@@ -75,6 +75,53 @@ class StepRecord:
     loss: float | None = None
 
 
+class StageTimeout(TimeoutError):
+    """A stage waited for a message in vain: which stage, for which micro-batch's what
+    ("activations" or "gradient"), from which stage, and for how long, as data."""
+
+    def __init__(self, stage: int, micro_batch: int, what: str, source: int,
+                 seconds: float, cause: str = "") -> None:
+        self.stage, self.micro_batch, self.what = stage, micro_batch, what
+        self.source, self.seconds, self.cause = source, seconds, cause
+        super().__init__(f"stage {stage} waited {seconds:g} s for micro-batch {micro_batch}'s "
+                         f"{what} from stage {source} in vain: do all stages run the same "
+                         f"number of micro-batches and matching orders? ({cause})")
+
+    def __reduce__(self):
+        return type(self), (self.stage, self.micro_batch, self.what, self.source,
+                            self.seconds, self.cause)
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps: `forward` seconds on the way in, `backward` on the way back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
+        ctx.backward_seconds = backward
+        time.sleep(forward)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.backward_seconds)
+        return grad, None, None
+
+
+class FixedTime(nn.Module):
+    """A stand-in stage whose forward takes `forward` seconds and backward `backward`
+    (a small linear layer, then a sleep): a schedule measured with it shows the schedule,
+    not the machine, since a sleep lasts as long whoever else needs the CPU, where a
+    product's time depends on how many ranks share the cores."""
+
+    def __init__(self, width: int, forward: float, backward: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.seconds = (forward, backward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.linear(x), *self.seconds)
+
+
 def split(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
     """Cut a sequential model into `stages` consecutive stages of equally many layers.
 
@@ -208,10 +255,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
         try:
             work.wait(wait)
         except RuntimeError as err:
-            raise TimeoutError(
-                f"stage {s} waited {timeout:g} s for micro-batch {mb}'s {what} from stage "
-                f"{source} in vain: do all stages run the same number of micro-batches and "
-                f"matching orders? ({err})") from None
+            raise StageTimeout(s, mb, what, source, timeout, str(err)) from None
         return buffer
 
     for kind, mb in plan:

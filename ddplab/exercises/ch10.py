@@ -1,0 +1,229 @@
+"""Chapter 10 exercises: model parallelism (tensor, pipeline, expert) and planning.
+
+10.3 asks for a GPipe step's bubble, in units of time and as a share of the step, for any
+times of a forward and a backward: the check holds the answer against the ideal schedule's
+counts (`ddplab.parallel.pp.ideal`, the dependencies the real messages impose) and runs a
+real 2-stage pipeline whose stages take exactly those times. 10.4 asks for 1F1B's order of
+one stage and runs the learner's orders on 4 real ranks with `pp.train_step`: an order
+that deadlocks ends at the step's deadline, named stage by stage; one that runs is judged
+by the activations each stage held and by the step's length in the ideal schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from fractions import Fraction
+
+from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time
+
+# --- 10.3 the bubble, from the schedule ---
+
+BUBBLE_CASES = ((2, 1, 1, 2), (4, 8, 1, 2), (3, 5, 2, 3), (4, 2, 1, 1), (8, 24, 3, 5))
+"""(p, m, forward, backward): the chapter's units, then others, so that a formula that
+knows only 1 and 2 is told apart; one micro-batch (a relay), and a long pipeline."""
+
+SLEEP_UNIT = 0.02
+"""Seconds one unit of time lasts in the real run of 10.3: long against Python's overhead
+and a message's, short enough for a check."""
+
+
+def _ideal_bubble(p: int, m: int, forward: float, backward: float) -> tuple[float, float]:
+    """Stage 0's idle time and its share of the step, counted in the ideal GPipe schedule."""
+    from ddplab.parallel import pp
+
+    events = pp.ideal([pp.order("gpipe", s, p, m) for s in range(p)], m, forward=forward,
+                      backward=backward)
+    total = max(e.end for e in events)
+    busy = sum(e.end - e.start for e in events if e.stage == 0)
+    return total - busy, (total - busy) / total
+
+
+def _sleeping_pipeline(m: int) -> list:
+    """On each of 2 ranks: one GPipe step (after a first) of sleeping stages; the events."""
+    import torch
+    from torch import nn
+
+    from ddplab.parallel import pp
+
+    torch.manual_seed(0)
+    stage = pp.FixedTime(4, SLEEP_UNIT, 2 * SLEEP_UNIT)
+    x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
+    for _ in range(2):
+        record = pp.train_step(stage, schedule="gpipe", micro_batches=m, inputs=x, targets=y,
+                               loss_fn=nn.functional.mse_loss, timeout=20)
+    return record.events
+
+
+def _two_numbers(value) -> tuple[float, float] | None:
+    if (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(isinstance(v, (int, float, Fraction)) and not isinstance(v, bool)
+                    for v in value)):
+        return float(value[0]), float(value[1])
+    return None
+
+
+@exercise("10.3", "The bubble, from the schedule", solution="bubble",
+          hint="draw the ideal GPipe schedule for p = 2 or 3: when does the last stage get "
+               "its first micro-batch, and when does the first stage get its first "
+               "gradient back? Count the idle time at both ends, then divide by the whole step.")
+def check_bubble(bubble: Callable) -> str:
+    for p, m, f, b in BUBBLE_CASES:
+        case = f"for p = {p} stages, m = {m} micro-batches, forward {f}, backward {b}"
+        value = bubble(p, m, f, b) if (f, b) != (1, 2) else bubble(p, m)
+        pair = _two_numbers(value)
+        expect(pair is not None,
+               f"{case} you returned {value!r}; expected a pair of numbers (idle units of "
+               "time per stage, the bubble's share of the step).",
+               "return a tuple: (idle, share).")
+        idle, share = pair
+        want_idle, want_share = _ideal_bubble(p, m, f, b)
+        if abs(idle - want_idle) > 1e-9:
+            expect(abs(idle - (p - 1) * f) > 1e-9,
+                   f"{case} you returned {idle:g} idle units: (p − 1) · forward, the fill "
+                   f"before a stage's first forward; the ideal schedule idles "
+                   f"{want_idle:g}.",
+                   "the fill is half of it. After its last forward, stage 0 waits for the "
+                   "first gradient to come back from the last stage: how long does that take?")
+            expect(abs(idle - 3 * (p - 1)) > 1e-9,
+                   f"{case} you returned {idle:g} idle units, as if a forward took 1 and a "
+                   f"backward 2 whatever the arguments; with these times the ideal schedule "
+                   f"idles {want_idle:g}.",
+                   "write the idle time with forward and backward in it: which of them does "
+                   "the fill wait for, and which the drain?")
+            expect(False, f"{case} you returned {idle:g} idle units per stage; the ideal "
+                          f"schedule idles {want_idle:g}.")
+        if abs(share - want_share) > 1e-9:
+            expect(not 1 < share <= 100,
+                   f"{case} you returned a share of {share:g}: a share is a fraction of the "
+                   f"step, between 0 and 1 ({want_share:.4g} here), not a percentage.")
+            expect(abs(share - (p - 1) / m) > 1e-9,
+                   f"{case} you returned a share of {share:.4g} = (p − 1)/m: the idle time "
+                   f"over the working time, the Playbook's form; the share of the step is "
+                   f"{want_share:.4g}.",
+                   "divide the idle time by the whole step: what a stage works plus what it "
+                   "idles.")
+            expect(False, f"{case} you returned a share of {share:.4g}; the ideal schedule "
+                          f"idles {want_share:.4g} of its step ({Fraction(p - 1, m + p - 1)}).",
+                   "the step is each stage's work, m · (forward + backward), plus its idle "
+                   "time.")
+    with ranks(2) as pool:
+        events = run_in_time(pool, _sleeping_pipeline, 3, deadline=30,
+                             meaning="A real pipeline did not finish (a problem of the "
+                                     "machine, not of your answer).", hint="try again.")
+    rows = [(e.stage, e.kind, e.micro_batch, e.start, e.end) for r in events for e in r]
+    t0, t1 = min(r[3] for r in rows), max(r[4] for r in rows)
+    busy = sum(r[4] - r[3] for r in rows if r[0] == 0)
+    measured = 1 - busy / (t1 - t0)
+    _, yours = _two_numbers(bubble(2, 3))
+    return (f"right for all {len(BUBBLE_CASES)} cases, to the unit of the ideal schedule. "
+            f"And on 2 real ranks, with stages that sleep {SLEEP_UNIT * 1e3:.0f} ms per "
+            f"forward and twice that per backward, 3 micro-batches: stage 0 idled "
+            f"{measured:.0%} of the step, against your {yours:.0%}.")
+
+
+# --- 10.4 1F1B's order, run on real ranks ---
+
+ORDER_CASES = [(s, p, m) for p in (2, 3, 4) for m in (1, 2, 3, 6) for s in range(p)]
+"""Every stage of pipelines of 2 to 4 stages, with fewer micro-batches than stages (all
+warm-up) and more."""
+
+DEADLOCK_AFTER = 4.0
+"""Seconds a stage waits for a message before 10.4 calls the orders deadlocked: a step of
+this pipeline takes milliseconds once the first one is done."""
+
+REAL_STAGES, REAL_MICRO_BATCHES = 4, 6
+"""The real run: 4 ranks, more micro-batches than stages, so that GPipe's order holds more
+activations than 1F1B's."""
+
+
+def _run_orders(orders: list[list[str]], micro_batches: int) -> dict:
+    """On each rank: one step of a small pipeline in the given orders; what the stage held
+    at most, or the message of its wait that ran out."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ddplab.parallel import pp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(dist.get_world_size())])
+    stage = pp.split(model, dist.get_world_size())[dist.get_rank()]
+    x, y = torch.randn(2 * micro_batches, 8), torch.randn(2 * micro_batches, 8)
+    step = functools.partial(pp.train_step, stage, micro_batches=micro_batches, inputs=x,
+                             targets=y, loss_fn=nn.functional.mse_loss)
+    # a first step in GPipe's order, which cannot deadlock: it pays for what a first step
+    # costs (connections, allocations), which a loaded machine can stretch to seconds
+    step(schedule="gpipe", timeout=30)
+    stage.zero_grad()
+    dist.barrier()  # the stages start the step being judged together
+    try:
+        record = step(schedule=orders[dist.get_rank()], timeout=DEADLOCK_AFTER)
+    except pp.StageTimeout as err:
+        return {"stuck": (err.micro_batch, err.what, err.source), "peak": None}
+    except RuntimeError:  # a neighbour gave up first, and its connection closed
+        return {"stuck": (), "peak": None}
+    return {"stuck": None, "peak": record.peak_in_flight}
+
+
+@exercise("10.4", "1F1B's order, run on real ranks", solution="one_f_one_b",
+          hint="stage s must send enough forwards ahead to keep the stages after it busy "
+               "until the first gradient comes back: how many is that? Then one forward, "
+               "one backward; then the backwards left.")
+def check_one_f_one_b(one_f_one_b: Callable) -> str:
+    from ddplab.parallel import pp
+
+    p, m = REAL_STAGES, REAL_MICRO_BATCHES
+    orders = []
+    for s in range(p):
+        steps = one_f_one_b(s, p, m)
+        expect(isinstance(steps, list) and all(isinstance(x, str) for x in steps),
+               f"for stage {s} of {p} with {m} micro-batches you returned {steps!r}; "
+               "expected a list of strings such as ['F0', 'F1', 'B0', ...].")
+        try:
+            pp.check_order(steps, m)
+        except ValueError as err:
+            raise NotYet(f"for stage {s} of {p} with {m} micro-batches, {err}.",
+                         "every micro-batch's forward once, its backward once, after it.") \
+                from None
+        orders.append(steps)
+    with ranks(p) as pool:
+        out = run_in_time(pool, _run_orders, orders, m, deadline=20,
+                          meaning="Your orders deadlocked.",
+                          hint="a stage's forward needs the previous stage's forward of the "
+                               "same micro-batch, a backward the next stage's backward.")
+    if any(o["stuck"] is not None for o in out):
+        waits = [f"stage {s} waited for micro-batch {mb}'s {what} from stage {source}"
+                 for s, o in enumerate(out) if o["stuck"] for mb, what, source in [o["stuck"]]]
+        raise NotYet(f"on {p} real ranks with {m} micro-batches, your orders deadlocked: "
+                     + ", ".join(waits) + f", each in vain for {DEADLOCK_AFTER:g} s. Each "
+                     "waits for a message its neighbour only sends after it gets one back.",
+                     "a stage's forward needs the previous stage's forward of the same "
+                     "micro-batch, a backward the next stage's backward. Run your orders by "
+                     "hand for 2 stages: does stage 0 send enough forwards before it waits "
+                     "for a gradient?")
+    for s, o in enumerate(out):
+        expect(o["peak"] <= p - s,
+               f"on {p} real ranks with {m} micro-batches, your orders ran, but stage {s} "
+               f"held {o['peak']} micro-batches' activations at once; 1F1B's stage s holds at "
+               f"most p − s = {p - s}.",
+               "a micro-batch's activations are freed by its backward: how many forwards "
+               "must stage s run before its first backward, and no more?")
+    events = pp.ideal(orders, m)
+    length, want = max(e.end for e in events), 3 * (m + p - 1)
+    expect(length <= want,
+           f"on {p} real ranks with {m} micro-batches, your orders ran and held few "
+           f"activations, but the stages take turns: in the ideal schedule your step takes "
+           f"{length:g} units of time where 1F1B's takes {want}.",
+           "with no warm-up, stage 0 waits for each micro-batch's gradient before it sends "
+           "the next: how many forwards must stage s run first to keep the later stages busy?")
+    for s, stages, count in ORDER_CASES:
+        got, right = one_f_one_b(s, stages, count), pp.order("1f1b", s, stages, count)
+        expect(got == right,
+               f"for stage {s} of {stages} with {count} micro-batch"
+               f"{'es' if count > 1 else ''} you returned {got}; 1F1B's order is {right}.",
+               "with fewer micro-batches than stages, the warm-up is cut short: a stage "
+               "cannot run forwards of micro-batches that do not exist.")
+    return (f"right for all {len(ORDER_CASES)} stages, and on {p} real ranks with {m} "
+            f"micro-batches your orders ran with stage s holding at most p − s micro-batches' "
+            f"activations ({', '.join(str(o['peak']) for o in out)}).")
