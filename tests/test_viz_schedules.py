@@ -76,6 +76,13 @@ def test_a_stage_on_another_rank_takes_that_ranks_colour_and_sizes_do_not_follow
     assert short.get_size_inches() == pytest.approx(long.get_size_inches())
 
 
+def test_an_ideal_schedule_alone_is_drawn_in_units_of_time():
+    fig = viz.show_schedule(gpipe(3, 2), measured=False, names=("GPipe", ""))
+    shown = texts(fig)
+    assert "time units" in shown and "GPipe" in shown and "measured" not in shown
+    assert texts(fig).count("idle 50%") == 3  # (3 − 1)/(2 + 3 − 1)
+
+
 def test_bad_events_are_refused():
     with pytest.raises(ValueError, match="no events"):
         viz.show_schedule([])
