@@ -128,7 +128,7 @@ ORDER_CASES = [(s, p, m) for p in (2, 3, 4) for m in (1, 2, 3, 6) for s in range
 """Every stage of pipelines of 2 to 4 stages, with fewer micro-batches than stages (all
 warm-up) and more."""
 
-DEADLOCK_AFTER = 4.0
+DEADLOCK_AFTER = 5.0
 """Seconds a stage waits for a message before 10.4 calls the orders deadlocked: a step of
 this pipeline takes milliseconds once the first one is done."""
 
@@ -188,7 +188,7 @@ def check_one_f_one_b(one_f_one_b: Callable) -> str:
                 from None
         orders.append(steps)
     with ranks(p) as pool:
-        out = run_in_time(pool, _run_orders, orders, m, deadline=20,
+        out = run_in_time(pool, _run_orders, orders, m, deadline=90,
                           meaning="Your orders deadlocked.",
                           hint="a stage's forward needs the previous stage's forward of the "
                                "same micro-batch, a backward the next stage's backward.")

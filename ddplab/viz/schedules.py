@@ -64,15 +64,16 @@ def idle_share(events: Sequence[Any]) -> dict[int, float]:
 def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
                   ranks: Sequence[int] | None = None, title: str | None = None,
                   names: tuple[str, str] = ("measured", "ideal: forward 1, backward 2"),
-                  ) -> Figure:
+                  measured: bool = True) -> Figure:
     """A pipeline step, one lane per stage: every micro-batch's forward (light) and backward
     (dark, hatched), numbered, and the idle time between them (grey, its share at the end).
 
-    `events` are measured, in seconds; `ideal`, if given, is drawn below them in units of
-    time (e.g. `pp.ideal(...)`), to compare shapes. `ranks[s]` is the rank running stage s
+    `events` are measured, in seconds (with `measured=False`: in units of time, as an
+    ideal schedule); `ideal`, if given, is drawn below them in units of time (e.g.
+    `pp.ideal(...)`), to compare shapes. `ranks[s]` is the rank running stage s
     (default: stage s on rank s), whose colour the lane takes.
     """
-    panels = [(names[0], _rows(events), False)]
+    panels = [(names[0], _rows(events), not measured)]
     if ideal is not None:
         panels.append((names[1], _rows(ideal), True))
     stages = sorted({r[0] for _, rows, _ in panels for r in rows})
