@@ -64,6 +64,7 @@ def step_on_rank(schedule, stages: int, micro_batches: int) -> dict:
     return {"record": record, "delta": delta, "loss": loss.item()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_a_step_equals_one_process(pool, schedule, stages):
@@ -83,6 +84,7 @@ def test_a_step_equals_one_process(pool, schedule, stages):
     assert all(o["record"].loss is None for o in out[:-1])
 
 
+@pytest.mark.slow
 def test_activations_in_flight_gpipe_holds_m_1f1b_at_most_p(pool):
     m, p = 6, 4
     gpipe = pool.run(step_on_rank, "gpipe", p, m)
@@ -137,6 +139,10 @@ def test_bad_input_is_refused_with_its_fix():
     with pytest.raises(ValueError, match="these orders deadlock: stage 0 waits in B0"):
         # stage 0 waits for B0's gradient before sending F1; stage 1 wants F1 first
         pp.ideal([["F0", "B0", "F1", "B1"], ["F0", "F1", "B0", "B1"]], 2)
+    with pytest.raises(ValueError, match="backward must be a positive time, not -1"):
+        pp.ideal([["F0", "B0"]], 1, backward=-1)
+    with pytest.raises(ValueError, match="stages must be an int ≥ 1, not 0"):
+        pp.bubble(0, 4)
 
 
 def uneven_batch_on_rank():
@@ -166,6 +172,7 @@ def micro_batches_differ_on_rank():
                          group=group, timeout=2)
 
 
+@pytest.mark.slow
 def test_a_bad_batch_is_refused_on_stage_0(pool):
     from ddplab.pool import RankError
 
@@ -173,6 +180,7 @@ def test_a_bad_batch_is_refused_on_stage_0(pool):
         pool.run(uneven_batch_on_rank, ranks=[0], timeout=30)
 
 
+@pytest.mark.slow
 def test_orders_that_deadlock_end_with_a_clear_error_not_a_hang(pool):
     from ddplab.pool import RankError
 
@@ -186,6 +194,7 @@ def test_orders_that_deadlock_end_with_a_clear_error_not_a_hang(pool):
     assert pool.run(lambda: 1) == [1, 1, 1, 1]  # the pool still works
 
 
+@pytest.mark.slow
 def test_stages_cutting_the_batch_differently_end_with_an_error_not_a_hang(pool):
     from ddplab.pool import RankError
 

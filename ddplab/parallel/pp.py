@@ -203,8 +203,9 @@ def check_order(steps: Sequence[str], micro_batches: int) -> list[tuple[str, int
 def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_batches: int,
                inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-               shape: Sequence[int] | None = None, group: dist.ProcessGroup | None = None,
-               t0: float = 0.0, clock: Callable[[], float] = time.perf_counter,
+               shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+               group: dist.ProcessGroup | None = None, t0: float = 0.0,
+               clock: Callable[[], float] = time.perf_counter,
                timeout: float = 30.0) -> StepRecord:
     """Run this rank's stage for one step of `micro_batches` micro-batches; the gradients
     accumulate in the stage's parameters' `.grad` (call `zero_grad` between steps).
@@ -215,9 +216,14 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
     (a mean over the micro-batch, like `nn.functional.mse_loss`); the others may pass them
     too and they are ignored. `shape` is the shape of one micro-batch's activations between
     stages (a receiver must know what it receives); by default the shape of an input
-    micro-batch, for layers that keep the width. `schedule` is "gpipe", "1f1b" or an order
-    of your own (`order`'s form). A message not there within `timeout` seconds raises
-    (stages that disagree on the schedule would otherwise wait forever).
+    micro-batch, for layers that keep the width; `dtype` its type (by default the stage's
+    parameters'). `schedule` is "gpipe", "1f1b" or an order of your own (`order`'s form).
+
+    A message not there within `timeout` seconds raises `StageTimeout` (stages that
+    disagree on the schedule would otherwise wait forever); any other failure of a message
+    (a closed connection, a size that does not match) is re-raised as it is. After a
+    `StageTimeout` a receive is still posted on `group`: do not use that group for
+    point-to-point messages again (make a new one with `dist.new_group`).
     """
     p = dist.get_world_size(group)
     s = dist.get_rank(group)
@@ -241,21 +247,31 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             raise ValueError("pass shape= (one micro-batch's activations between stages), or "
                              "inputs= on every stage so the shape can be taken from it")
         shape = (inputs.shape[0] // m, *inputs.shape[1:])
+    if dtype is None:
+        dtype = next(stage_module.parameters(), torch.empty(())).dtype
     wait = datetime.timedelta(seconds=timeout)
     params = {q.untyped_storage().data_ptr() for q in stage_module.parameters()}
     record = StepRecord(s, p, steps)
     held: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # mb -> (input, output, bytes)
-    sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until the step's end
+    sends: list[tuple] = []  # (work, peer, what, mb, tensor): kept alive until the step's end
     in_bytes = 0
     losses = []
 
-    def receive(source: int, what: str, mb: int) -> torch.Tensor:
-        buffer = torch.empty(*shape)
-        work = dist.irecv(buffer, group=group, group_src=source)  # ranks in the group: stages
+    def finish(work: dist.Work, peer: int, what: str, mb: int) -> None:
+        began = time.monotonic()
         try:
             work.wait(wait)
         except RuntimeError as err:
-            raise StageTimeout(s, mb, what, source, timeout, str(err)) from None
+            # only a wait that lasted its whole timeout is one in vain; a connection closed
+            # or a size mismatch fails at once and keeps its own message
+            if time.monotonic() - began < 0.9 * timeout:
+                raise
+            raise StageTimeout(s, mb, what, peer, timeout, str(err)) from None
+
+    def receive(source: int, what: str, mb: int) -> torch.Tensor:
+        buffer = torch.empty(*shape, dtype=dtype)
+        # the group's ranks are the stages: group_src is a stage number
+        finish(dist.irecv(buffer, group=group, group_src=source), source, what, mb)
         return buffer
 
     for kind, mb in plan:
@@ -282,7 +298,8 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             if last:
                 losses.append(y.detach())
             else:
-                sends.append((dist.isend(y.detach(), group=group, group_dst=s + 1), y))
+                sends.append((dist.isend(y.detach(), group=group, group_dst=s + 1), s + 1,
+                              "activations' delivery", mb, y))
             held[mb] = (x, y, sum(nbytes for _, nbytes in saved))
             in_bytes += held[mb][2]
             record.peak_in_flight = max(record.peak_in_flight, len(held))
@@ -295,10 +312,11 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             end = clock()
             in_bytes -= nbytes
             if not first:
-                sends.append((dist.isend(x.grad, group=group, group_dst=s - 1), x.grad))
+                sends.append((dist.isend(x.grad, group=group, group_dst=s - 1), s - 1,
+                              "gradient's delivery", mb, x.grad))
         record.events.append(Event(s, kind, mb, start - t0, end - t0))
-    for work, _ in sends:
-        work.wait(wait)
+    for work, peer, what, mb, _ in sends:
+        finish(work, peer, what, mb)
     if last:
         record.loss = float(torch.stack(losses).sum())
     return record
@@ -316,7 +334,10 @@ def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *, forward: float
     time counted here is the bubble of the formula. Orders that could never finish
     (stages waiting for each other) raise, naming who waits for what.
     """
+    _check_times(forward, backward)
     p = len(orders)
+    if p < 1:
+        raise ValueError("ideal() needs the orders of at least one stage")
     plans = [check_order(steps, micro_batches) for steps in orders]
     done: dict[tuple[int, str, int], float] = {}  # (stage, kind, mb) -> end time
     free = [0.0] * p
@@ -353,4 +374,11 @@ def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *, forward: float
 def bubble(p: int, m: int) -> float:
     """The bubble's share of a step, (p − 1)/(m + p − 1), for p equal stages and m
     micro-batches (GPipe and 1F1B alike; Huang et al. 2019, Narayanan et al. 2021)."""
+    _check_counts(0, p, m)
     return (p - 1) / (m + p - 1)
+
+
+def _check_times(forward: float, backward: float) -> None:
+    for name, value in (("forward", forward), ("backward", backward)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{name} must be a positive time, not {value!r}")
