@@ -23,7 +23,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas
 from ddplab.viz.palette import line_color, rank_color, text_color, tint
-from ddplab.viz.timeline import _time_axis
+from ddplab.viz.timeline import time_axis
 
 IDLE = "#EBEBEB"  # a lane's background: where it shows, the stage waits (the bubble)
 
@@ -39,6 +39,8 @@ def _rows(events: Sequence[Any]) -> list[Row]:
         if len(row) != 5:
             raise ValueError(f"an event is (stage, kind, micro_batch, start, end), not {row!r}")
         stage, kind, mb, start, end = row
+        if int(stage) < 0:
+            raise ValueError(f"an event's stage is a number from 0, not {stage!r}")
         if kind not in ("F", "B"):
             raise ValueError(f"an event's kind is 'F' (forward) or 'B' (backward), not {kind!r}")
         if end < start:
@@ -63,7 +65,7 @@ def idle_share(events: Sequence[Any]) -> dict[int, float]:
 
 def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
                   ranks: Sequence[int] | None = None, title: str | None = None,
-                  names: tuple[str, str] = ("measured", "ideal: forward 1, backward 2"),
+                  names: tuple[str, str] = ("measured, in seconds", "ideal, in units of time"),
                   measured: bool = True) -> Figure:
     """A pipeline step, one lane per stage: every micro-batch's forward (light) and backward
     (dark, hatched), numbered, and the idle time between them (grey, its share at the end).
@@ -154,4 +156,4 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
         ax.text(left - 0.1, base - 0.1, "time units", ha="right", va="top",
                 fontsize=FONT - 1, color="#444444")
     else:
-        _time_axis(ax, x, t0, t1, left, axis, base)
+        time_axis(ax, x, t0, t1, left, axis, base)
