@@ -1254,22 +1254,23 @@ def _no_cool_down(stage, stages, micro_batches):
 
 CHAPTER_10B = [
     ("10.3", _fill_only, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
-     "returned 1 idle units: (p − 1) · forward", "the fill is half of it"),
+     "returned 1 idle units: (p − 1) · forward, the fill before the last stage's",
+     "the fill is only (p − 1) forwards of it"),
     ("10.3", _units_fixed, "for p = 3 stages, m = 5 micro-batches, forward 2, backward 3 you "
      "returned 6 idle units, as if a forward took 1", "with forward and backward in it"),
     ("10.3", _playbook_ratio, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
      "returned a share of 1 = (p − 1)/m", "divide the idle time by the whole step"),
     ("10.3", _percent, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
      "returned a share of 50: a share is a fraction", "Count the idle time"),
-    ("10.4", _gpipe_order, "on 4 real ranks with 6 micro-batches, your orders ran, but stage 0 "
-     "held 6 micro-batches' activations at once", "freed by its backward"),
-    ("10.4", _warm_up(lambda s, p: s), "on 4 real ranks with 6 micro-batches, your orders "
-     "deadlocked: stage 0 waited for micro-batch 0's gradient from stage 1",
+    ("10.4", _gpipe_order, "on 4 stages with 6 micro-batches, your orders run, but stage 0 "
+     "holds 6 micro-batches' activations at once", "freed by its backward"),
+    ("10.4", _warm_up(lambda s, p: s), "on 4 stages with 6 micro-batches, your orders "
+     "deadlock: stage 0 waits in B0 for micro-batch 0's gradient from stage 1",
      "does stage 0 send enough forwards"),
-    ("10.4", _warm_up(lambda s, p: p - s), "on 4 real ranks with 6 micro-batches, your orders "
-     "ran, but stage 0 held 5 micro-batches' activations", "and no more"),
-    ("10.4", _warm_up(lambda s, p: 0), "on 4 real ranks with 6 micro-batches, your orders ran "
-     "and held few activations, but the stages take turns", "with no warm-up"),
+    ("10.4", _warm_up(lambda s, p: p - s), "on 4 stages with 6 micro-batches, your orders "
+     "run, but stage 0 holds 5 micro-batches' activations", "and no more"),
+    ("10.4", _warm_up(lambda s, p: 0), "on 4 stages with 6 micro-batches, your orders run "
+     "and hold few activations, but the stages take turns", "with no warm-up"),
     ("10.4", _no_cool_down, "for stage 0 of 4 with 6 micro-batches, the order never runs B5",
      "its backward once"),
 ]
