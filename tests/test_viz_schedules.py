@@ -56,7 +56,7 @@ def test_each_stage_has_its_rank_colour_and_every_micro_batch_its_number():
     for k in range(3):  # each micro-batch numbered in each of its boxes, in both panels
         assert shown.count(str(k)) >= 2 * 4 * 2
     assert tuple(round(c, 3) for c in to_rgb(IDLE)) in fills(fig)
-    assert "measured" in shown and "ideal: forward 1, backward 2" in shown
+    assert "measured, in seconds" in shown and "ideal, in units of time" in shown
     assert viz.screen_size(fig)[0] <= 1000
 
 
