@@ -1210,25 +1210,37 @@ CHAPTER_9B = [
 ]
 
 
-def _fill_only(p, m, forward=1, backward=2):
+def _fill_only(p, m, forward=1, backward=2, last=0):
     """10.3, wrong: only the fill before a stage's first forward counted as idle."""
     idle = (p - 1) * forward
     return idle, idle / (m * (forward + backward) + idle)
 
 
-def _units_fixed(p, m, forward=1, backward=2):
+def _units_fixed(p, m, forward=1, backward=2, last=0):
     """10.3, wrong: a forward 1 and a backward 2 whatever the arguments."""
     return 3 * (p - 1), (p - 1) / (m + p - 1)
 
 
-def _playbook_ratio(p, m, forward=1, backward=2):
+def _playbook_ratio(p, m, forward=1, backward=2, last=0):
     """10.3, wrong: the idle time over the working time, (p − 1)/m, as the share."""
     return (p - 1) * (forward + backward), (p - 1) / m
 
 
-def _percent(p, m, forward=1, backward=2):
+def _percent(p, m, forward=1, backward=2, last=0):
     """10.3, wrong: the share as a percentage."""
     return (p - 1) * (forward + backward), 100 * (p - 1) / (m + p - 1)
+
+
+def _equal_stages(p, m, forward=1, backward=2, last=0):
+    """10.3, wrong: the last stage's extra left out, as if the stages were equal."""
+    idle = (p - 1) * (forward + backward)
+    return idle, idle / (m * (forward + backward) + idle)
+
+
+def _extra_once(p, m, forward=1, backward=2, last=0):
+    """10.3, wrong: the last stage's extra counted once, not once per micro-batch."""
+    idle = (p - 1) * (forward + backward) + last
+    return idle, idle / (m * (forward + backward) + idle)
 
 
 def _gpipe_order(stage, stages, micro_batches):
@@ -1261,7 +1273,13 @@ CHAPTER_10B = [
     ("10.3", _playbook_ratio, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
      "returned a share of 1 = (p − 1)/m", "divide the idle time by the whole step"),
     ("10.3", _percent, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
-     "returned a share of 50: a share is a fraction", "Count the idle time"),
+     "returned a share of 50: a share is a fraction", "when does stage 0 get its first"),
+    ("10.3", _equal_stages, "for p = 4 stages, m = 6 micro-batches, forward 1, backward 2, "
+     "the last stage's forward 1 longer, you returned 9 idle units, as if the last stage",
+     "the slowest stage sets the pace"),
+    ("10.3", _extra_once, "for p = 4 stages, m = 6 micro-batches, forward 1, backward 2, the "
+     "last stage's forward 1 longer, you returned 10 idle units, the last stage's extra "
+     "counted once", "one after the other"),
     ("10.4", _gpipe_order, "on 4 stages with 6 micro-batches, your orders run, but stage 0 "
      "holds 6 micro-batches' activations at once", "freed by its backward"),
     ("10.4", _warm_up(lambda s, p: s), "on 4 stages with 6 micro-batches, your orders "

@@ -117,6 +117,10 @@ def test_orders_and_the_ideal_bubble():
                 assert busy == 3 * m
                 assert (total - busy) / total == pytest.approx(pp.bubble(p, m))
     assert pp.bubble(4, 8) == 3 / 11
+    # a last stage slower by 1 in its forward: everyone waits for it, once per micro-batch
+    p, m = 4, 6
+    events = pp.ideal([pp.order("gpipe", s, p, m) for s in range(p)], m, forward=[1, 1, 1, 2])
+    assert max(e.end for e in events) == 3 * (m + p - 1) + m
 
 
 def test_bad_input_is_refused_with_its_fix():
@@ -141,6 +145,8 @@ def test_bad_input_is_refused_with_its_fix():
         pp.ideal([["F0", "B0", "F1", "B1"], ["F0", "F1", "B0", "B1"]], 2)
     with pytest.raises(ValueError, match="backward must be a positive time, not -1"):
         pp.ideal([["F0", "B0"]], 1, backward=-1)
+    with pytest.raises(ValueError, match="forward gives 1 times for 2 stages"):
+        pp.ideal([["F0", "B0"], ["F0", "B0"]], 1, forward=[1])
     with pytest.raises(ValueError, match="stages must be an int ≥ 1, not 0"):
         pp.bubble(0, 4)
 

@@ -1,7 +1,8 @@
 """Chapter 10 exercises: model parallelism (tensor, pipeline, expert) and planning.
 
-10.3 asks for a GPipe step's bubble, in units of time and as a share of the step, for any
-times of a forward and a backward: the check holds the answer against the ideal schedule's
+10.3 asks for a GPipe step's bubble on stage 0, in units of time and as a share of the
+step, for any times of a forward and a backward and a last stage slower than the others
+(it computes the loss): the check holds the answer against the ideal schedule's
 counts (`ddplab.parallel.pp.ideal`, the dependencies the real messages impose); the chapter
 measures the same bubble on real ranks. 10.4 asks for 1F1B's order of one stage: the check
 first runs the orders in the ideal schedule (a deadlock named stage by stage, the
@@ -19,16 +20,20 @@ from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time
 
 # --- 10.3 the bubble, from the schedule ---
 
-BUBBLE_CASES = ((2, 1, 1, 2), (4, 8, 1, 2), (3, 5, 2, 3), (4, 2, 1, 1), (8, 24, 3, 5))
-"""(p, m, forward, backward): the chapter's units, then others, so that a formula that
-knows only 1 and 2 is told apart; one micro-batch (a relay), and a long pipeline."""
+BUBBLE_CASES = ((2, 1, 1, 2, 0), (4, 8, 1, 2, 0), (3, 5, 2, 3, 0), (4, 2, 1, 1, 0),
+                (4, 6, 1, 2, 1), (3, 4, 2, 3, 0.5), (8, 24, 3, 5, 2))
+"""(p, m, forward, backward, last): the chapter's units, then others, so that a formula that
+knows only 1 and 2 is told apart; one micro-batch (a relay); then a last stage slower in
+its forward by `last` (it also computes the loss), and a long pipeline."""
 
-def _ideal_bubble(p: int, m: int, forward: float, backward: float) -> tuple[float, float]:
+
+def _ideal_bubble(p: int, m: int, forward: float, backward: float,
+                  last: float) -> tuple[float, float]:
     """Stage 0's idle time and its share of the step, counted in the ideal GPipe schedule."""
     from ddplab.parallel import pp
 
-    events = pp.ideal([pp.order("gpipe", s, p, m) for s in range(p)], m, forward=forward,
-                      backward=backward)
+    events = pp.ideal([pp.order("gpipe", s, p, m) for s in range(p)], m,
+                      forward=[forward] * (p - 1) + [forward + last], backward=backward)
     total = max(e.end for e in events)
     busy = sum(e.end - e.start for e in events if e.stage == 0)
     return total - busy, (total - busy) / total
@@ -44,20 +49,23 @@ def _two_numbers(value) -> tuple[float, float] | None:
 
 @exercise("10.3", "The bubble, from the schedule", solution="bubble",
           hint="draw the ideal GPipe schedule for p = 2 or 3: when does the last stage get "
-               "its first micro-batch, and when does the first stage get its first "
-               "gradient back? Count the idle time at both ends, then divide by the whole step.")
+               "its first micro-batch, and when does stage 0 get its first gradient back? "
+               "With a slower last stage, when does each of its forwards start?")
 def check_bubble(bubble: Callable) -> str:
-    for p, m, f, b in BUBBLE_CASES:
+    for p, m, f, b, last in BUBBLE_CASES:
         case = f"for p = {p} stages, m = {m} micro-batches, forward {f}, backward {b}"
-        value = bubble(p, m, f, b) if (f, b) != (1, 2) else bubble(p, m)
+        case += f", the last stage's forward {last} longer," if last else ""
+        value = (bubble(p, m) if (f, b, last) == (1, 2, 0) else
+                 bubble(p, m, f, b) if not last else bubble(p, m, f, b, last))
         pair = _two_numbers(value)
         expect(pair is not None,
-               f"{case} you returned {value!r}; expected a pair of numbers (idle units of "
-               "time per stage, the bubble's share of the step).",
+               f"{case} you returned {value!r}; expected a pair of numbers (stage 0's idle "
+               "units of time, its share of the step).",
                "return a tuple: (idle, share).")
         idle, share = pair
-        want_idle, want_share = _ideal_bubble(p, m, f, b)
+        want_idle, want_share = _ideal_bubble(p, m, f, b, last)
         if abs(idle - want_idle) > 1e-9:
+            plain = (p - 1) * (f + b)
             expect(abs(idle - (p - 1) * f) > 1e-9,
                    f"{case} you returned {idle:g} idle units: (p − 1) · forward, the fill "
                    f"before the last stage's first forward; the ideal schedule idles "
@@ -65,13 +73,24 @@ def check_bubble(bubble: Callable) -> str:
                    "the fill is only (p − 1) forwards of it. After its last forward, stage 0 "
                    "waits for the first gradient to come back from the last stage: how long "
                    "does that take?")
-            expect(abs(idle - 3 * (p - 1)) > 1e-9,
+            expect((f, b) == (1, 2) or abs(idle - 3 * (p - 1)) > 1e-9,
                    f"{case} you returned {idle:g} idle units, as if a forward took 1 and a "
                    f"backward 2 whatever the arguments; with these times the ideal schedule "
                    f"idles {want_idle:g}.",
                    "write the idle time with forward and backward in it: which of them does "
                    "the fill wait for, and which the drain?")
-            expect(False, f"{case} you returned {idle:g} idle units per stage; the ideal "
+            expect(abs(idle - plain) > 1e-9,
+                   f"{case} you returned {idle:g} idle units, as if the last stage were as "
+                   f"fast as the others; stage 0 idles {want_idle:g}.",
+                   "the slowest stage sets the pace: the forwards pile up before the last "
+                   "stage, and stage 0 waits for each of them. How often does it pay the "
+                   "extra?")
+            expect(abs(idle - plain - last) > 1e-9,
+                   f"{case} you returned {idle:g} idle units, the last stage's extra "
+                   f"counted once; stage 0 idles {want_idle:g}.",
+                   "every micro-batch's forward passes through the last stage, one after "
+                   "the other.")
+            expect(False, f"{case} you returned {idle:g} idle units for stage 0; the ideal "
                           f"schedule idles {want_idle:g}.")
         if abs(share - want_share) > 1e-9:
             expect(not 1 < share <= 100,
@@ -84,11 +103,12 @@ def check_bubble(bubble: Callable) -> str:
                    "divide the idle time by the whole step: what a stage works plus what it "
                    "idles.")
             expect(False, f"{case} you returned a share of {share:.4g}; the ideal schedule "
-                          f"idles {want_share:.4g} of its step ({Fraction(p - 1, m + p - 1)}).",
-                   "the step is each stage's work, m · (forward + backward), plus its idle "
+                          f"idles {want_share:.4g} of its step.",
+                   "the step is stage 0's work, m · (forward + backward), plus its idle "
                    "time.")
-    return (f"right for all {len(BUBBLE_CASES)} cases, to the unit of the ideal schedule "
-            "that the chapter's real pipeline of fixed-time stages follows.")
+    return (f"right for all {len(BUBBLE_CASES)} cases, to the unit of the ideal schedule: "
+            "with a slower last stage the bubble grows with m, where the formula says it "
+            "shrinks.")
 
 
 # --- 10.4 1F1B's order, run on real ranks ---

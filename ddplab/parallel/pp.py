@@ -322,22 +322,24 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
     return record
 
 
-def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *, forward: float = 1.0,
-          backward: float = 2.0) -> list[Event]:
+def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *,
+          forward: float | Sequence[float] = 1.0,
+          backward: float | Sequence[float] = 2.0) -> list[Event]:
     """The schedule as it would run with no overhead: stage s runs `orders[s]` in its order,
     each step as soon as its stage is free and its input has arrived (a forward needs the
     previous stage's forward of the same micro-batch, a backward the next stage's
     backward), a forward taking `forward` units of time and a backward `backward` (twice a
-    forward, as for a matrix product: the gradients of its input and of its weights).
+    forward, as for a matrix product: the gradients of its input and of its weights);
+    either may be one time per stage instead, for unequal stages.
 
     Arithmetic only, the same dependencies `train_step`'s messages impose, so the idle
     time counted here is the bubble of the formula. Orders that could never finish
     (stages waiting for each other) raise, naming who waits for what.
     """
-    _check_times(forward, backward)
     p = len(orders)
     if p < 1:
         raise ValueError("ideal() needs the orders of at least one stage")
+    times = {"F": _per_stage("forward", forward, p), "B": _per_stage("backward", backward, p)}
     plans = [check_order(steps, micro_batches) for steps in orders]
     done: dict[tuple[int, str, int], float] = {}  # (stage, kind, mb) -> end time
     free = [0.0] * p
@@ -353,7 +355,7 @@ def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *, forward: float
                 if need is not None and need not in done:
                     break
                 start = max(free[s], done[need] if need else 0.0)
-                end = start + (forward if kind == "F" else backward)
+                end = start + times[kind][s]
                 done[(s, kind, mb)] = free[s] = end
                 events.append(Event(s, kind, mb, start, end))
                 nxt[s] += 1
@@ -378,7 +380,12 @@ def bubble(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def _check_times(forward: float, backward: float) -> None:
-    for name, value in (("forward", forward), ("backward", backward)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{name} must be a positive time, not {value!r}")
+def _per_stage(name: str, value: float | Sequence[float], p: int) -> list[float]:
+    values = list(value) if isinstance(value, Sequence) else [value] * p
+    if len(values) != p:
+        raise ValueError(f"{name} gives {len(values)} times for {p} stages: give one time, "
+                         "or one per stage")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"{name} must be a positive time, not {v!r}")
+    return values

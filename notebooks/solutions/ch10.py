@@ -7,13 +7,14 @@ checks that each passes `check("10.N", ...)`. Learners: try first, then compare.
 # --- 10.3 the bubble, from the schedule ---
 
 
-def bubble(p, m, forward=1, backward=2):
+def bubble(p, m, forward=1, backward=2, last=0):
     """Exercise 10.3: the last stage gets its first micro-batch after p − 1 forwards (the
     fill), and after its last forward stage 0 waits for the first gradient to come back
-    through p − 1 backwards (the drain): (p − 1)(forward + backward) idle on every stage.
-    A stage works m(forward + backward), so the bubble's share of the step is
-    (p − 1)/(m + p − 1), whatever the two times."""
-    idle = (p - 1) * (forward + backward)
+    through p − 1 backwards (the drain): (p − 1)(forward + backward) idle. A last stage
+    slower by `last` in its forward makes the forwards queue before it: each of the m
+    micro-batches waits `last` more there, and so does stage 0. Stage 0 works
+    m(forward + backward), the rest of the step it idles."""
+    idle = (p - 1) * (forward + backward) + m * last
     return idle, idle / (m * (forward + backward) + idle)
 
 
