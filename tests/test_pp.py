@@ -145,6 +145,10 @@ def test_bad_input_is_refused_with_its_fix():
         pp.ideal([["F0", "B0", "F1", "B1"], ["F0", "F1", "B0", "B1"]], 2)
     with pytest.raises(ValueError, match="backward must be a positive time, not -1"):
         pp.ideal([["F0", "B0"]], 1, backward=-1)
+    import pickle  # a timeout travels from a rank as data, its message intact
+
+    sent = pickle.loads(pickle.dumps(pp.StageTimeout(1, 3, "gradient", 0, 2.0, "", True)))
+    assert "stage 1 waited 2 s for stage 0 to take micro-batch 3's gradient" in str(sent)
     with pytest.raises(ValueError, match="forward gives 1 times for 2 stages"):
         pp.ideal([["F0", "B0"], ["F0", "B0"]], 1, forward=[1])
     with pytest.raises(ValueError, match="stages must be an int ≥ 1, not 0"):

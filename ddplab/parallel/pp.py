@@ -80,16 +80,17 @@ class StageTimeout(TimeoutError):
     ("activations" or "gradient"), from which stage, and for how long, as data."""
 
     def __init__(self, stage: int, micro_batch: int, what: str, source: int,
-                 seconds: float, cause: str = "") -> None:
+                 seconds: float, cause: str = "", sending: bool = False) -> None:
         self.stage, self.micro_batch, self.what = stage, micro_batch, what
-        self.source, self.seconds, self.cause = source, seconds, cause
-        super().__init__(f"stage {stage} waited {seconds:g} s for micro-batch {micro_batch}'s "
-                         f"{what} from stage {source} in vain: do all stages run the same "
-                         f"number of micro-batches and matching orders? ({cause})")
+        self.source, self.seconds, self.cause, self.sending = source, seconds, cause, sending
+        waited = (f"for stage {source} to take micro-batch {micro_batch}'s {what}" if sending
+                  else f"for micro-batch {micro_batch}'s {what} from stage {source}")
+        super().__init__(f"stage {stage} waited {seconds:g} s {waited} in vain: do all stages "
+                         f"run the same number of micro-batches and matching orders? ({cause})")
 
     def __reduce__(self):
         return type(self), (self.stage, self.micro_batch, self.what, self.source,
-                            self.seconds, self.cause)
+                            self.seconds, self.cause, self.sending)
 
 
 class _Sleep(torch.autograd.Function):
@@ -257,7 +258,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
     in_bytes = 0
     losses = []
 
-    def finish(work: dist.Work, peer: int, what: str, mb: int) -> None:
+    def finish(work: dist.Work, peer: int, what: str, mb: int, sending: bool = False) -> None:
         began = time.monotonic()
         try:
             work.wait(wait)
@@ -266,7 +267,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             # or a size mismatch fails at once and keeps its own message
             if time.monotonic() - began < 0.9 * timeout:
                 raise
-            raise StageTimeout(s, mb, what, peer, timeout, str(err)) from None
+            raise StageTimeout(s, mb, what, peer, timeout, str(err), sending) from None
 
     def receive(source: int, what: str, mb: int) -> torch.Tensor:
         buffer = torch.empty(*shape, dtype=dtype)
@@ -299,7 +300,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
                 losses.append(y.detach())
             else:
                 sends.append((dist.isend(y.detach(), group=group, group_dst=s + 1), s + 1,
-                              "activations' delivery", mb, y))
+                              "activations", mb, y))
             held[mb] = (x, y, sum(nbytes for _, nbytes in saved))
             in_bytes += held[mb][2]
             record.peak_in_flight = max(record.peak_in_flight, len(held))
@@ -313,10 +314,10 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             in_bytes -= nbytes
             if not first:
                 sends.append((dist.isend(x.grad, group=group, group_dst=s - 1), s - 1,
-                              "gradient's delivery", mb, x.grad))
+                              "gradient", mb, x.grad))
         record.events.append(Event(s, kind, mb, start - t0, end - t0))
     for work, peer, what, mb, _ in sends:
-        finish(work, peer, what, mb)
+        finish(work, peer, what, mb, sending=True)
     if last:
         record.loss = float(torch.stack(losses).sum())
     return record
