@@ -154,6 +154,8 @@ FILE_SECONDS = {
     # (2026-11-27); the verdicts file above grew by 10.5's thirteen rows (about 115 s, a
     # 3-rank pool each)
     "10c_context_experts_2d.ipynb": 40, "test_ep.py": 60, "test_viz_routing.py": 12,
+    # chapter 10b: nbval 21-28 s at load 5 on 2 cores (2026-11-27)
+    "10b_pipeline_parallel.ipynb": 30, "test_pp.py": 20, "test_viz_schedules.py": 4,
 }
 """Each file's test time, in seconds, on a loaded 2-core machine (the whole suite with
 `--durations=0`, 2026-11-27; 6b and the browser test, which need what that machine lacks,

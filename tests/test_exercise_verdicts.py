@@ -1479,6 +1479,92 @@ CHAPTER_10A = [
 ]
 
 
+# --- chapter 10b: typical wrong attempts and the verdict each gets ---
+
+def _fill_only(p, m, forward=1, backward=2, last=0):
+    """10.3, wrong: only the fill before a stage's first forward counted as idle."""
+    idle = (p - 1) * forward
+    return idle, idle / (m * (forward + backward) + idle)
+
+
+def _units_fixed(p, m, forward=1, backward=2, last=0):
+    """10.3, wrong: a forward 1 and a backward 2 whatever the arguments."""
+    return 3 * (p - 1), (p - 1) / (m + p - 1)
+
+
+def _playbook_ratio(p, m, forward=1, backward=2, last=0):
+    """10.3, wrong: the idle time over the working time, (p − 1)/m, as the share."""
+    return (p - 1) * (forward + backward), (p - 1) / m
+
+
+def _percent(p, m, forward=1, backward=2, last=0):
+    """10.3, wrong: the share as a percentage."""
+    return (p - 1) * (forward + backward), 100 * (p - 1) / (m + p - 1)
+
+
+def _equal_stages(p, m, forward=1, backward=2, last=0):
+    """10.3, wrong: the last stage's extra left out, as if the stages were equal."""
+    idle = (p - 1) * (forward + backward)
+    return idle, idle / (m * (forward + backward) + idle)
+
+
+def _extra_once(p, m, forward=1, backward=2, last=0):
+    """10.3, wrong: the last stage's extra counted once, not once per micro-batch."""
+    idle = (p - 1) * (forward + backward) + last
+    return idle, idle / (m * (forward + backward) + idle)
+
+
+def _gpipe_order(stage, stages, micro_batches):
+    """10.4, wrong: GPipe's order, all forwards then all backwards."""
+    return [f"F{i}" for i in range(micro_batches)] + [f"B{i}" for i in range(micro_batches)]
+
+
+def _warm_up(count):
+    """An order with `count(stage, stages)` warm-up forwards, then 1F1B, then cool-down."""
+    def order(stage, stages, micro_batches):
+        warm = min(count(stage, stages), micro_batches)
+        steps = [f"F{i}" for i in range(warm)]
+        for i in range(micro_batches - warm):
+            steps += [f"F{warm + i}", f"B{i}"]
+        return steps + [f"B{i}" for i in range(micro_batches - warm, micro_batches)]
+    return order
+
+
+def _no_cool_down(stage, stages, micro_batches):
+    """10.4, wrong: the cool-down's backwards left out."""
+    return _warm_up(lambda s, p: p - s - 1)(stage, stages, micro_batches)[:-1]
+
+
+CHAPTER_10B = [
+    ("10.3", _fill_only, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
+     "returned 1 idle units: (p − 1) · forward, the fill before the last stage's",
+     "the fill is only (p − 1) forwards of it"),
+    ("10.3", _units_fixed, "for p = 3 stages, m = 5 micro-batches, forward 2, backward 3 you "
+     "returned 6 idle units, as if a forward took 1", "with forward and backward in it"),
+    ("10.3", _playbook_ratio, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
+     "returned a share of 1 = (p − 1)/m", "divide the idle time by the whole step"),
+    ("10.3", _percent, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
+     "returned a share of 50: a share is a fraction", "when does stage 0 get its first"),
+    ("10.3", _equal_stages, "for p = 4 stages, m = 6 micro-batches, forward 1, backward 2, "
+     "the last stage's forward 1 longer, you returned 9 idle units, as if the last stage",
+     "the slowest stage sets the pace"),
+    ("10.3", _extra_once, "for p = 4 stages, m = 6 micro-batches, forward 1, backward 2, the "
+     "last stage's forward 1 longer, you returned 10 idle units, the last stage's extra "
+     "counted once", "one after the other"),
+    ("10.4", _gpipe_order, "on 4 stages with 6 micro-batches, your orders run, but stage 0 "
+     "holds 6 micro-batches' activations at once", "freed by its backward"),
+    ("10.4", _warm_up(lambda s, p: s), "on 4 stages with 6 micro-batches, your orders "
+     "deadlock: stage 0 waits in B0 for micro-batch 0's gradient from stage 1",
+     "does stage 0 send enough forwards"),
+    ("10.4", _warm_up(lambda s, p: p - s), "on 4 stages with 6 micro-batches, your orders "
+     "run, but stage 0 holds 5 micro-batches' activations", "and no more"),
+    ("10.4", _warm_up(lambda s, p: 0), "on 4 stages with 6 micro-batches, your orders run "
+     "and hold few activations, but the stages take turns", "with no warm-up"),
+    ("10.4", _no_cool_down, "for stage 0 of 4 with 6 micro-batches, the order never runs B5",
+     "its backward once"),
+]
+
+
 # --- chapter 10c: typical wrong attempts and the verdict each gets ---
 
 def _route_with(tokens, expert, num_experts, *, exchange=True, sort=True, splits=True,
@@ -1654,7 +1740,7 @@ CHAPTER_10C = [
                          CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4A
                          + CHAPTER_4B + CHAPTER_5 + CHAPTER_6
                          + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B
-                         + CHAPTER_10A + CHAPTER_10C)
+                         + CHAPTER_10A + CHAPTER_10B + CHAPTER_10C)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed

@@ -39,6 +39,9 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
 - placements (`placements`): `show_tp_flow`, an MLP block split by tensor (and sequence)
   parallelism, a row per rank: which weight slice each holds, the partial sums, and the
   one collective where the ranks meet;
+- schedules (`schedules`): `show_schedule`, a pipeline step with one lane per stage, each
+  micro-batch's forward and backward from real timestamps (and an ideal schedule beside it),
+  the idle time (the bubble) grey; `idle_share`, each stage's idle share of the step;
 - routing (`routing`): `show_routing`, a mixture-of-experts layer's tokens flowing from
   each rank to the experts (and to "dropped"); `show_expert_load`, rows per expert from
   each rank against the capacity, the dropped ones hatched;
@@ -68,6 +71,7 @@ from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color,
 from ddplab.viz.placements import show_tp_flow
 from ddplab.viz.png import png_bytes, screen_size
 from ddplab.viz.routing import show_expert_load, show_routing
+from ddplab.viz.schedules import idle_share, show_schedule
 from ddplab.viz.shards import show_dtensor, show_shards
 from ddplab.viz.tensors import (
     show_before_after,
@@ -98,13 +102,13 @@ from ddplab.viz.topology import (
 
 __all__ = [
     "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
-    "Owner", "Span", "as_grid", "format_value", "line_color", "owner_grid", "png_bytes",
-    "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
+    "Owner", "Span", "as_grid", "format_value", "idle_share", "line_color", "owner_grid",
+    "png_bytes", "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
     "show_before_after", "show_buckets", "show_cluster", "show_ddp_step", "show_deal",
     "show_digits", "show_dtensor", "show_expert_load",
     "show_flight", "show_group_traffic", "show_inbox", "show_launch", "show_leftover",
     "show_memory", "show_memory_breakdown", "show_mesh", "show_nesting", "show_overlap",
-    "show_ranks", "show_rendezvous", "show_ring", "show_routing", "show_sampler", "show_shards",
-    "show_steps",
-    "show_store", "show_timeline", "show_tp_flow", "show_transfers", "text_color", "tint",
+    "show_ranks", "show_rendezvous", "show_ring", "show_routing", "show_sampler",
+    "show_schedule", "show_shards", "show_steps", "show_store", "show_timeline",
+    "show_tp_flow", "show_transfers", "text_color", "tint",
 ]

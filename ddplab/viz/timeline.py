@@ -57,7 +57,7 @@ def _time_text(seconds: float, step: float) -> str:
     return f"{seconds * 1e3:.{max(0, -int(np.floor(np.log10(step * 1e3))))}f} ms"
 
 
-def _time_axis(ax, x, t0: float, t1: float, left: float, axis: float, base: float) -> None:
+def time_axis(ax, x, t0: float, t1: float, left: float, axis: float, base: float) -> None:
     """The time axis under a timeline, at height `base`: a line `axis` inches long from
     `left`, and round ticks (`_time_step`) labelled from 0, placed by `x(t)`."""
     ax.plot([left, left + axis], [base, base], color="#555555", lw=0.8)
@@ -121,7 +121,7 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
         ax.plot([x(t)], [y(rank) + lane / 2], marker="x", ms=9, mew=2.2, color="#C00000")
         ax.text(x(t) + 0.12, y(rank) + lane / 2, text, ha="left", va="center",
                 fontsize=FONT - 1, color="#C00000")
-    _time_axis(ax, x, t0, t1, left, axis, height - top - lane * len(lanes) - 0.05)
+    time_axis(ax, x, t0, t1, left, axis, height - top - lane * len(lanes) - 0.05)
     return canvas.fig
 
 
@@ -411,7 +411,7 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None,
             ax.text(at + w / 2, text_y, s.label, ha="center", va="center", fontsize=FONT - 1)
             ax.plot([middle, at + w / 2], [edge, text_y + (-0.08 if above else 0.08)],
                     color="#777777", lw=0.7)
-    _time_axis(ax, x, t0, t1, left, axis, y + 0.1)
+    time_axis(ax, x, t0, t1, left, axis, y + 0.1)
     handles = [Patch(fc=tint("#777777", 0.35), ec="#777777", label="computing (solid)"),
                Patch(fc=tint("#777777", 0.8), ec="#777777", hatch="///",
                      label="waiting for a collective to finish (hatched)")]

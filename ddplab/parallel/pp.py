@@ -1,0 +1,392 @@
+"""Pipeline parallelism by hand: a model cut into stages, one stage per rank, and the batch
+cut into micro-batches that flow through them.
+
+A rank holds only its stage's layers (1/p of the model for p stages) and talks only to its
+neighbours: stage s receives activations from stage s − 1 and sends its output to s + 1 in
+the forward, and the gradients flow back the same way in the backward, each with one
+point-to-point message (`isend`/`irecv`, chapter 3). With one batch, only one stage would
+work at a time; cutting it into m micro-batches lets stage 0 start micro-batch 1 while
+stage 1 works on micro-batch 0. The gradients of the m micro-batches add up in `.grad`
+(gradient accumulation, each loss divided by m), so one step equals the same model's step
+on the whole batch in one process, up to float rounding.
+
+Two schedules, the order in which a stage runs its forwards (F) and backwards (B):
+
+- GPipe (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using
+  Pipeline Parallelism"): all m forwards, then all m backwards. A stage holds the
+  activations of all m micro-batches at once, until their backwards.
+- 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", after PipeDream): stage s runs p − s − 1 warm-up forwards,
+  then alternates one forward, one backward, then the cool-down backwards. A micro-batch's
+  activations are freed as soon as its backward is done, so stage s holds at most p − s of
+  them (at most p), whatever m.
+
+Both leave the same idle time, the "bubble": with equal stages and a backward twice a
+forward, each stage idles (p − 1)/(m + p − 1) of the step (the Ultra-Scale Playbook's
+(p − 1)/m of the ideal time). More micro-batches shrink it; 1F1B only saves memory.
+
+Each stage records when it ran each forward and backward (`Event`s, on a clock the caller
+gives: every rank of one machine shares `time.perf_counter()`), and how many micro-batches'
+activations it held at most, and their bytes (the tensors autograd saved, counted with
+`torch.autograd.graph.saved_tensors_hooks`), as plain data for pictures.
+
+Here every message is waited for before the computation that needs it, so a rank computes
+*or* waits. On GPUs, NCCL's sends and receives run on CUDA streams of their own and overlap
+the next micro-batch's computation; that overlap is GPU-only and not shown on a CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One forward ("F") or backward ("B") of one micro-batch on one stage, in seconds from
+    the caller's t0. The time spent waiting for a message is not in it: that is idle."""
+
+    stage: int
+    kind: str
+    micro_batch: int
+    start: float
+    end: float
+
+
+@dataclass
+class StepRecord:
+    """What one stage did in one step: its events in order, the most micro-batches whose
+    activations it held at once and their bytes, and (last stage) the step's loss."""
+
+    stage: int
+    stages: int
+    schedule: list[str]
+    events: list[Event] = field(default_factory=list)
+    peak_in_flight: int = 0
+    peak_bytes: int = 0
+    loss: float | None = None
+
+
+class StageTimeout(TimeoutError):
+    """A stage waited for a message in vain: which stage, for which micro-batch's what
+    ("activations" or "gradient"), from which stage, and for how long, as data."""
+
+    def __init__(self, stage: int, micro_batch: int, what: str, source: int,
+                 seconds: float, cause: str = "", sending: bool = False) -> None:
+        self.stage, self.micro_batch, self.what = stage, micro_batch, what
+        self.source, self.seconds, self.cause, self.sending = source, seconds, cause, sending
+        waited = (f"for stage {source} to take micro-batch {micro_batch}'s {what}" if sending
+                  else f"for micro-batch {micro_batch}'s {what} from stage {source}")
+        super().__init__(f"stage {stage} waited {seconds:g} s {waited} in vain: do all stages "
+                         f"run the same number of micro-batches and matching orders? ({cause})")
+
+    def __reduce__(self):
+        return type(self), (self.stage, self.micro_batch, self.what, self.source,
+                            self.seconds, self.cause, self.sending)
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps: `forward` seconds on the way in, `backward` on the way back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
+        ctx.backward_seconds = backward
+        time.sleep(forward)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.backward_seconds)
+        return grad, None, None
+
+
+class FixedTime(nn.Module):
+    """A stand-in stage whose forward takes `forward` seconds and backward `backward`
+    (a small linear layer, then a sleep): a schedule measured with it shows the schedule,
+    not the machine, since a sleep lasts as long whoever else needs the CPU, where a
+    product's time depends on how many ranks share the cores."""
+
+    def __init__(self, width: int, forward: float, backward: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.seconds = (forward, backward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.linear(x), *self.seconds)
+
+
+def split(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
+    """Cut a sequential model into `stages` consecutive stages of equally many layers.
+
+    Equal stages make equal work (for layers of one size), and the schedules' arithmetic
+    assumes it: the slowest stage sets the pace of all of them.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"split() cuts an nn.Sequential, not {type(model).__name__}: write the "
+                        "model as nn.Sequential(layer, layer, ...) so its order is explicit")
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be a positive int, not {stages!r}")
+    if len(model) % stages:
+        raise ValueError(f"{len(model)} layers do not divide into {stages} equal stages: use a "
+                         f"number of stages that divides {len(model)}, or a model of "
+                         f"{len(model) + stages - len(model) % stages} layers")
+    per = len(model) // stages
+    return [nn.Sequential(*model[k * per:(k + 1) * per]) for k in range(stages)]
+
+
+def order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[str]:
+    """The order stage `stage` of `stages` runs its work: "F3" is micro-batch 3's forward,
+    "B3" its backward.
+
+    GPipe: F0 … F(m−1), then B0 … B(m−1). 1F1B: min(p − s − 1, m) warm-up forwards, then
+    one forward and one backward in turn, then the backwards left (the cool-down).
+    """
+    _check_counts(stage, stages, micro_batches)
+    m = micro_batches
+    if schedule == "gpipe":
+        return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
+    if schedule == "1f1b":
+        warm = min(stages - stage - 1, m)
+        steps = [f"F{i}" for i in range(warm)]
+        for i in range(m - warm):
+            steps += [f"F{warm + i}", f"B{i}"]
+        return steps + [f"B{i}" for i in range(m - warm, m)]
+    raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}, or "
+                     "pass the order itself as a list such as ['F0', 'F1', 'B0', 'B1']")
+
+
+def _check_counts(stage: int, stages: int, micro_batches: int) -> None:
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int ≥ 1, not {micro_batches!r}: a step "
+                         "needs at least one micro-batch")
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int ≥ 1, not {stages!r}")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} does not exist in a pipeline of {stages} stages")
+
+
+def check_order(steps: Sequence[str], micro_batches: int) -> list[tuple[str, int]]:
+    """Parse an order ("F0", "B0", ...) into (kind, micro-batch) pairs, refusing one that
+    cannot run: every micro-batch's forward once, its backward once, after its forward."""
+    parsed, done = [], set()
+    for step in steps:
+        if not (isinstance(step, str) and len(step) > 1 and step[0] in "FB"
+                and step[1:].isdigit()):
+            raise ValueError(f"{step!r} is not a step: write 'F3' for micro-batch 3's forward "
+                             "and 'B3' for its backward")
+        kind, mb = step[0], int(step[1:])
+        if mb >= micro_batches:
+            raise ValueError(f"{step}: there are only {micro_batches} micro-batches, 0 to "
+                             f"{micro_batches - 1}")
+        if (kind, mb) in done:
+            raise ValueError(f"{step} appears twice: each micro-batch runs one forward and one "
+                             "backward per step")
+        if kind == "B" and ("F", mb) not in done:
+            raise ValueError(f"B{mb} comes before F{mb}: a backward needs its forward's "
+                             "activations")
+        done.add((kind, mb))
+        parsed.append((kind, mb))
+    missing = [f"{k}{i}" for i in range(micro_batches) for k in "FB" if (k, i) not in done]
+    if missing:
+        raise ValueError(f"the order never runs {', '.join(missing)}: every micro-batch needs "
+                         "its forward and its backward")
+    return parsed
+
+
+def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_batches: int,
+               inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+               shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+               group: dist.ProcessGroup | None = None, t0: float = 0.0,
+               clock: Callable[[], float] = time.perf_counter,
+               timeout: float = 30.0) -> StepRecord:
+    """Run this rank's stage for one step of `micro_batches` micro-batches; the gradients
+    accumulate in the stage's parameters' `.grad` (call `zero_grad` between steps).
+
+    The stage is this rank's rank in `group` (default: the world), and the pipeline has as
+    many stages as the group has ranks. Stage 0 needs `inputs` (the whole batch; it is cut
+    into `micro_batches` equal micro-batches), the last stage `targets` and `loss_fn`
+    (a mean over the micro-batch, like `nn.functional.mse_loss`); the others may pass them
+    too and they are ignored. `shape` is the shape of one micro-batch's activations between
+    stages (a receiver must know what it receives); by default the shape of an input
+    micro-batch, for layers that keep the width; `dtype` its type (by default the stage's
+    parameters'). `schedule` is "gpipe", "1f1b" or an order of your own (`order`'s form).
+
+    A message not there within `timeout` seconds raises `StageTimeout` (stages that
+    disagree on the schedule would otherwise wait forever); any other failure of a message
+    (a closed connection, a size that does not match) is re-raised as it is. After a
+    `StageTimeout` a receive is still posted on `group`: do not use that group for
+    point-to-point messages again (make a new one with `dist.new_group`).
+    """
+    p = dist.get_world_size(group)
+    s = dist.get_rank(group)
+    m = micro_batches
+    _check_counts(s, p, m)
+    steps = order(schedule, s, p, m) if isinstance(schedule, str) else list(schedule)
+    plan = check_order(steps, m)
+    first, last = s == 0, s == p - 1
+    if first and inputs is None:
+        raise ValueError("stage 0 needs the batch: pass inputs=")
+    if last and (targets is None or loss_fn is None):
+        raise ValueError(f"the last stage ({s}) needs targets= and loss_fn=")
+    for name, given in (("batch", inputs), ("targets' batch", targets)):
+        if given is not None and given.shape[0] % m:  # checked on every stage given it
+            raise ValueError(f"a {name} of {given.shape[0]} does not cut into {m} equal "
+                             f"micro-batches: use a batch size that {m} divides")
+    chunks = inputs.chunk(m) if first else ()
+    labels = targets.chunk(m) if last else ()
+    if shape is None:
+        if inputs is None:
+            raise ValueError("pass shape= (one micro-batch's activations between stages), or "
+                             "inputs= on every stage so the shape can be taken from it")
+        shape = (inputs.shape[0] // m, *inputs.shape[1:])
+    if dtype is None:
+        dtype = next(stage_module.parameters(), torch.empty(())).dtype
+    wait = datetime.timedelta(seconds=timeout)
+    params = {q.untyped_storage().data_ptr() for q in stage_module.parameters()}
+    record = StepRecord(s, p, steps)
+    held: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # mb -> (input, output, bytes)
+    sends: list[tuple] = []  # (work, peer, what, mb, tensor): kept alive until the step's end
+    in_bytes = 0
+    losses = []
+
+    def finish(work: dist.Work, peer: int, what: str, mb: int, sending: bool = False) -> None:
+        began = time.monotonic()
+        try:
+            work.wait(wait)
+        except RuntimeError as err:
+            # only a wait that lasted its whole timeout is one in vain; a connection closed
+            # or a size mismatch fails at once and keeps its own message
+            if time.monotonic() - began < 0.9 * timeout:
+                raise
+            raise StageTimeout(s, mb, what, peer, timeout, str(err), sending) from None
+
+    def receive(source: int, what: str, mb: int) -> torch.Tensor:
+        buffer = torch.empty(*shape, dtype=dtype)
+        # the group's ranks are the stages: group_src is a stage number
+        finish(dist.irecv(buffer, group=group, group_src=source), source, what, mb)
+        return buffer
+
+    for kind, mb in plan:
+        if kind == "F":
+            # stage 0's micro-batch copied out of the batch: held on its own, like a
+            # received one (a view would count, and keep, the whole batch's storage)
+            x = chunks[mb].clone() if first else receive(s - 1, "activations", mb)
+            x.requires_grad_(not first)
+            saved: set[tuple[int, int]] = set()
+
+            def pack(t: torch.Tensor, saved: set = saved) -> torch.Tensor:
+                # a tensor saved twice (a Tanh's output, the next Linear's input) counts
+                # once; the weights autograd saves are parameters, not activations
+                if t.untyped_storage().data_ptr() not in params:
+                    saved.add((t.data_ptr(), t.numel() * t.element_size()))
+                return t
+
+            start = clock()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = stage_module(x)
+                if last:
+                    y = loss_fn(y, labels[mb]) / m  # the m micro-batches' mean, accumulated
+            end = clock()
+            if last:
+                losses.append(y.detach())
+            else:
+                sends.append((dist.isend(y.detach(), group=group, group_dst=s + 1), s + 1,
+                              "activations", mb, y))
+            held[mb] = (x, y, sum(nbytes for _, nbytes in saved))
+            in_bytes += held[mb][2]
+            record.peak_in_flight = max(record.peak_in_flight, len(held))
+            record.peak_bytes = max(record.peak_bytes, in_bytes)
+        else:
+            grad = None if last else receive(s + 1, "gradient", mb)
+            x, y, nbytes = held.pop(mb)
+            start = clock()
+            y.backward(grad)
+            end = clock()
+            in_bytes -= nbytes
+            if not first:
+                sends.append((dist.isend(x.grad, group=group, group_dst=s - 1), s - 1,
+                              "gradient", mb, x.grad))
+        record.events.append(Event(s, kind, mb, start - t0, end - t0))
+    for work, peer, what, mb, _ in sends:
+        finish(work, peer, what, mb, sending=True)
+    if last:
+        record.loss = float(torch.stack(losses).sum())
+    return record
+
+
+def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *,
+          forward: float | Sequence[float] = 1.0,
+          backward: float | Sequence[float] = 2.0) -> list[Event]:
+    """The schedule as it would run with no overhead: stage s runs `orders[s]` in its order,
+    each step as soon as its stage is free and its input has arrived (a forward needs the
+    previous stage's forward of the same micro-batch, a backward the next stage's
+    backward), a forward taking `forward` units of time and a backward `backward` (twice a
+    forward, as for a matrix product: the gradients of its input and of its weights);
+    either may be one time per stage instead, for unequal stages.
+
+    Arithmetic only, the same dependencies `train_step`'s messages impose, so the idle
+    time counted here is the bubble of the formula. Orders that could never finish
+    (stages waiting for each other) raise, naming who waits for what.
+    """
+    p = len(orders)
+    if p < 1:
+        raise ValueError("ideal() needs the orders of at least one stage")
+    times = {"F": _per_stage("forward", forward, p), "B": _per_stage("backward", backward, p)}
+    plans = [check_order(steps, micro_batches) for steps in orders]
+    done: dict[tuple[int, str, int], float] = {}  # (stage, kind, mb) -> end time
+    free = [0.0] * p
+    nxt = [0] * p
+    events: list[Event] = []
+    while any(nxt[s] < len(plans[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while nxt[s] < len(plans[s]):
+                kind, mb = plans[s][nxt[s]]
+                need = ((s - 1, "F", mb) if kind == "F" and s > 0 else
+                        (s + 1, "B", mb) if kind == "B" and s < p - 1 else None)
+                if need is not None and need not in done:
+                    break
+                start = max(free[s], done[need] if need else 0.0)
+                end = start + times[kind][s]
+                done[(s, kind, mb)] = free[s] = end
+                events.append(Event(s, kind, mb, start, end))
+                nxt[s] += 1
+                progressed = True
+        if not progressed:
+            waits = []
+            for s in range(p):
+                if nxt[s] < len(plans[s]):
+                    kind, mb = plans[s][nxt[s]]
+                    source = s - 1 if kind == "F" else s + 1
+                    what = "activations" if kind == "F" else "gradient"
+                    waits.append(f"stage {s} waits in {kind}{mb} for micro-batch {mb}'s {what} "
+                                 f"from stage {source}")
+            raise ValueError("these orders deadlock: " + "; ".join(waits))
+    return sorted(events, key=lambda e: (e.stage, e.start))
+
+
+def bubble(p: int, m: int) -> float:
+    """The bubble's share of a step, (p − 1)/(m + p − 1), for p equal stages and m
+    micro-batches (GPipe and 1F1B alike; Huang et al. 2019, Narayanan et al. 2021)."""
+    _check_counts(0, p, m)
+    return (p - 1) / (m + p - 1)
+
+
+def _per_stage(name: str, value: float | Sequence[float], p: int) -> list[float]:
+    values = list(value) if isinstance(value, Sequence) else [value] * p
+    if len(values) != p:
+        raise ValueError(f"{name} gives {len(values)} times for {p} stages: give one time, "
+                         "or one per stage")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"{name} must be a positive time, not {v!r}")
+    return values

@@ -1,0 +1,159 @@
+"""Pipeline schedules: when each stage ran each micro-batch's forward and backward.
+
+`show_schedule` draws one lane per pipeline stage, time from left to right, in the colour
+of the rank that runs the stage: a micro-batch's forward a light box, its backward a dark
+hatched one, each labelled with the micro-batch's number. Where a lane shows its grey
+background, the stage was idle: the pipeline's bubble, with its share of the step written
+at the lane's end. Drawn from measured timestamps (seconds, on a clock every rank shares),
+or from an ideal schedule in units of time (a forward 1, a backward 2), the two one above
+the other for comparison.
+
+Events are plain data, so the picture needs neither torch nor the pool: anything with
+`stage`, `kind` ("F" or "B"), `micro_batch`, `start` and `end` attributes
+(`ddplab.parallel.pp.Event`), or tuples in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas
+from ddplab.viz.palette import line_color, rank_color, text_color, tint
+from ddplab.viz.timeline import time_axis
+
+IDLE = "#EBEBEB"  # a lane's background: where it shows, the stage waits (the bubble)
+
+Row = tuple[int, str, int, float, float]  # (stage, kind, micro-batch, start, end)
+
+
+def _rows(events: Sequence[Any]) -> list[Row]:
+    """The events as (stage, kind, micro-batch, start, end) tuples, checked."""
+    rows = []
+    for e in events:
+        row = (e if isinstance(e, (tuple, list)) else
+               (e.stage, e.kind, e.micro_batch, e.start, e.end))
+        if len(row) != 5:
+            raise ValueError(f"an event is (stage, kind, micro_batch, start, end), not {row!r}")
+        stage, kind, mb, start, end = row
+        if int(stage) < 0:
+            raise ValueError(f"an event's stage is a number from 0, not {stage!r}")
+        if kind not in ("F", "B"):
+            raise ValueError(f"an event's kind is 'F' (forward) or 'B' (backward), not {kind!r}")
+        if end < start:
+            raise ValueError(f"event {kind}{mb} on stage {stage} ends ({end}) before it starts "
+                             f"({start})")
+        rows.append((int(stage), kind, int(mb), float(start), float(end)))
+    if not rows:
+        raise ValueError("no events to draw")
+    return rows
+
+
+def idle_share(events: Sequence[Any]) -> dict[int, float]:
+    """Each stage's idle share of the step: 1 − its busy time ÷ (last end − first start),
+    the step taken from all stages together, as the formula (p − 1)/(m + p − 1) counts it."""
+    rows = _rows(events)
+    t0, t1 = min(r[3] for r in rows), max(r[4] for r in rows)
+    busy: dict[int, float] = {}
+    for stage, _, _, start, end in rows:
+        busy[stage] = busy.get(stage, 0.0) + end - start
+    return {s: 1 - b / max(t1 - t0, 1e-12) for s, b in sorted(busy.items())}
+
+
+def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
+                  ranks: Sequence[int] | None = None, title: str | None = None,
+                  names: tuple[str, str] = ("measured, in seconds", "ideal, in units of time"),
+                  measured: bool = True) -> Figure:
+    """A pipeline step, one lane per stage: every micro-batch's forward (light) and backward
+    (dark, hatched), numbered, and the idle time between them (grey, its share at the end).
+
+    `events` are measured, in seconds (with `measured=False`: in units of time, as an
+    ideal schedule); `ideal`, if given, is drawn below them in units of time (e.g.
+    `pp.ideal(...)`), to compare shapes. `ranks[s]` is the rank running stage s
+    (default: stage s on rank s), whose colour the lane takes.
+    """
+    panels = [(names[0], _rows(events), not measured)]
+    if ideal is not None:
+        panels.append((names[1], _rows(ideal), True))
+    stages = sorted({r[0] for _, rows, _ in panels for r in rows})
+    ranks = list(ranks) if ranks is not None else list(range(max(stages) + 1))
+    if len(ranks) <= max(stages):
+        raise ValueError(f"ranks names {len(ranks)} ranks for stages 0 to {max(stages)}: "
+                         "give one rank per stage")
+    lane, left, right = 0.42, 1.45, 0.85
+    axis = MAX_WIDTH - left - right
+    title_h = 0.45 if title else 0.1
+    panel_h = [0.3 + lane * len(stages) + 0.45 for _ in panels]
+    legend_h = 0.4
+    height = title_h + sum(panel_h) + legend_h
+    canvas = Canvas(MAX_WIDTH, height, CELL, title)
+    ax = canvas.ax
+    top = height - title_h
+    for (name, rows, units), h in zip(panels, panel_h, strict=True):
+        _panel(ax, name, rows, units, stages, ranks, top, left, axis, lane)
+        top -= h
+    grey = "#555555"
+    handles = [Patch(fc=tint(grey, 0.6), ec=grey, label="forward of micro-batch k (light)"),
+               Patch(fc=grey, ec=grey, hatch="///", label="backward (dark, hatched)"),
+               Patch(fc=IDLE, ec="#BBBBBB", label="idle: the bubble")]
+    ax.legend(handles=handles, loc="lower left", ncol=3, frameon=False, fontsize=FONT - 1,
+              bbox_to_anchor=(0.0, 0.0), handlelength=1.5, columnspacing=1.2)
+    return canvas.fig
+
+
+def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
+           ranks: list[int], top: float, left: float, axis: float, lane: float) -> None:
+    """One schedule: its name, a lane per stage, the boxes, the idle shares, the axis."""
+    t0, t1 = min(r[3] for r in rows), max(r[4] for r in rows)
+    scale = axis / max(t1 - t0, 1e-12)
+    ax.text(0.3, top - 0.05, name, ha="left", va="top", fontsize=FONT, color="#444444",
+            style="italic")
+    first = top - 0.3
+
+    def x(t: float) -> float:
+        return left + (t - t0) * scale
+
+    def y(stage: int) -> float:
+        return first - (stages.index(stage) + 1) * lane
+
+    shares = idle_share(rows)
+    for stage in stages:
+        color = rank_color(ranks[stage])
+        ax.add_patch(Rectangle((left, y(stage) + 0.05), axis, lane - 0.1, fc=IDLE, ec="none"))
+        ax.text(left - 0.1, y(stage) + lane / 2, f"stage {stage} · rank {ranks[stage]}",
+                ha="right", va="center", fontsize=FONT, fontweight="bold",
+                color=text_color(color))
+        if stage in shares:
+            ax.text(left + axis + 0.08, y(stage) + lane / 2, f"idle {shares[stage]:.0%}",
+                    ha="left", va="center", fontsize=FONT - 1, color="#444444")
+    for stage, kind, mb, start, end in rows:
+        color = rank_color(ranks[stage])
+        w = max((end - start) * scale, 0.015)
+        backward = kind == "B"
+        box = (x(start), y(stage) + 0.05)
+        ax.add_patch(Rectangle(box, w, lane - 0.1, fc=color if backward else tint(color, 0.6),
+                               ec="none"))
+        if backward:  # white hatching: it shows on every rank's colour, dark or light
+            ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, hatch="///",
+                                   ec=(1, 1, 1, 0.7), lw=0))
+        ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, ec=line_color(color), lw=0.6))
+        text = str(mb)
+        if w > 0.09 * len(text) + 0.04:  # only where the number fits
+            ax.text(x(start) + w / 2, y(stage) + lane / 2, text, ha="center", va="center",
+                    fontsize=FONT - 1 if w > 0.18 else FONT - 3,
+                    bbox={"fc": "white", "ec": "none", "alpha": 0.8, "pad": 0.6}
+                    if backward else None)
+    base = first - lane * len(stages) - 0.03
+    if units:
+        ax.plot([left, left + axis], [base, base], color="#555555", lw=0.8)
+        step = max(1, round((t1 - t0) / 12))
+        for k in range(0, int(t1 - t0 + 1e-9) + 1, step):
+            ax.plot([x(t0 + k)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
+            ax.text(x(t0 + k), base - 0.1, f"{k}", ha="center", va="top", fontsize=FONT - 1)
+        ax.text(left - 0.1, base - 0.1, "time units", ha="right", va="top",
+                fontsize=FONT - 1, color="#444444")
+    else:
+        time_axis(ax, x, t0, t1, left, axis, base)

@@ -1,0 +1,94 @@
+"""Chapter 10b's picture: a pipeline schedule, one lane per stage, from plain data.
+
+As in test_viz.py, these look inside the figure (colours, texts, sizes): nbval compares a
+picture's size, never its pixels.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from matplotlib.colors import to_rgb
+from matplotlib.patches import Rectangle
+
+from ddplab import viz
+from ddplab.viz.schedules import IDLE
+
+
+@pytest.fixture(autouse=True)
+def no_warnings():
+    with warnings.catch_warnings():
+        for category in (UserWarning, DeprecationWarning, FutureWarning):
+            warnings.simplefilter("error", category)
+        yield
+
+
+def gpipe(p: int, m: int, unit: float = 1.0) -> list[tuple]:
+    """GPipe's ideal events for p stages and m micro-batches, forward 1, backward 2 (the
+    arithmetic of ddplab.parallel.pp.ideal, written out for a picture that needs no torch)."""
+    events = []
+    for s in range(p):
+        events += [(s, "F", i, (s + i) * unit, (s + i + 1) * unit) for i in range(m)]
+        start = m + p - 1 + 2 * (p - 1 - s)  # the last forward, then the backwards return
+        events += [(s, "B", i, (start + 2 * i) * unit, (start + 2 * i + 2) * unit)
+                   for i in range(m)]
+    return events
+
+
+def texts(fig) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].texts]
+
+
+def fills(fig) -> set[tuple[float, ...]]:
+    return {tuple(round(c, 3) for c in p.get_facecolor()[:3]) for p in fig.axes[0].patches
+            if isinstance(p, Rectangle) and p.get_fill()}
+
+
+def test_each_stage_has_its_rank_colour_and_every_micro_batch_its_number():
+    fig = viz.show_schedule(gpipe(4, 3, unit=0.004), gpipe(4, 3), title="GPipe")
+    shown = texts(fig)
+    for s in range(4):
+        assert f"stage {s} · rank {s}" in shown
+        # a backward is the rank's own colour, a forward a lighter shade of it
+        assert tuple(round(c, 3) for c in to_rgb(viz.rank_color(s))) in fills(fig)
+        assert tuple(round(c, 3) for c in viz.tint(viz.rank_color(s), 0.6)) in fills(fig)
+    for k in range(3):  # each micro-batch numbered in each of its boxes, in both panels
+        assert shown.count(str(k)) >= 2 * 4 * 2
+    assert tuple(round(c, 3) for c in to_rgb(IDLE)) in fills(fig)
+    assert "measured, in seconds" in shown and "ideal, in units of time" in shown
+    assert viz.screen_size(fig)[0] <= 1000
+
+
+def test_the_idle_share_is_the_bubble_of_the_formula():
+    for p, m in [(2, 1), (2, 4), (4, 8)]:
+        shares = viz.idle_share(gpipe(p, m))
+        assert shares == pytest.approx({s: (p - 1) / (m + p - 1) for s in range(p)})
+    fig = viz.show_schedule(gpipe(4, 8, unit=0.003))
+    assert texts(fig).count("idle 27%") == 4  # 3/11
+
+
+def test_a_stage_on_another_rank_takes_that_ranks_colour_and_sizes_do_not_follow_timings():
+    short = viz.show_schedule(gpipe(2, 4, unit=0.001), ranks=[2, 3])
+    long = viz.show_schedule(gpipe(2, 4, unit=0.5), ranks=[2, 3])
+    assert "stage 0 · rank 2" in texts(short)
+    assert tuple(round(c, 3) for c in to_rgb(viz.rank_color(3))) in fills(short)
+    assert short.get_size_inches() == pytest.approx(long.get_size_inches())
+
+
+def test_an_ideal_schedule_alone_is_drawn_in_units_of_time():
+    fig = viz.show_schedule(gpipe(3, 2), measured=False, names=("GPipe", ""))
+    shown = texts(fig)
+    assert "time units" in shown and "GPipe" in shown and "measured" not in shown
+    assert texts(fig).count("idle 50%") == 3  # (3 − 1)/(2 + 3 − 1)
+
+
+def test_bad_events_are_refused():
+    with pytest.raises(ValueError, match="no events"):
+        viz.show_schedule([])
+    with pytest.raises(ValueError, match="'F' \\(forward\\) or 'B'"):
+        viz.show_schedule([(0, "X", 0, 0.0, 1.0)])
+    with pytest.raises(ValueError, match=r"ends .* before it starts"):
+        viz.show_schedule([(0, "F", 0, 2.0, 1.0)])
+    with pytest.raises(ValueError, match="give one rank per stage"):
+        viz.show_schedule(gpipe(2, 2), ranks=[0])
