@@ -1,0 +1,82 @@
+"""`ddplab plan`: memory per GPU and step time of a layout, before renting the cluster.
+
+Given a transformer (layers, hidden size, heads, KV heads, FFN size, vocabulary, sequence),
+a cluster (a GPU's peak FLOP/s, memory and links) with a number of GPUs, a global batch and
+a layout (DP, ZeRO stage, TP, PP with its micro-batches and schedule, CP, activation
+recomputation), `plan` predicts what one GPU holds, by the memory ledger's categories, and
+how long a step takes, split into compute, exposed communication and pipeline bubble; from
+those, tokens/s and MFU. A layout that cannot run gets its reasons, in words. `search`
+tries the layouts a planner would consider and ranks those that fit by tokens/s.
+
+Why arithmetic rather than a simulator: every number comes from a formula a learner can
+check by hand, each from a cited source, so a wrong prediction points at the effect the
+formula leaves out. The formulas:
+
+- **Activations per layer** (bytes, per micro-batch of b sequences of s tokens, hidden h,
+  a heads, TP t with sequence parallelism): Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", Table 2: sbh(34 + 5as/h)/t without
+  recomputation; 34sbh/t when the attention core is recomputed ("selective", which is what
+  FlashAttention does too: it never stores the s × s scores); 2sbh/t, the layer's input
+  only, with full recomputation. The 34 is generalised term by term to grouped-query
+  attention (K and V are kv_heads/heads as wide) and gated MLPs (three FFN-wide tensors).
+- **FLOPs**: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", section 5.1: per layer and token, forward 2·(matmul
+  parameters) + 4sh (QKᵀ and the product with V, over the whole sequence, as PaLM's MFU
+  counts it), backward twice the forward; the logit layer 6hV per token. For GPT this is
+  their 72Bslh²(1 + s/6h + V/12lh); full recomputation adds one forward of the layers
+  (their 96 coefficient). Model FLOPs (for MFU, as Chowdhery et al. 2022, PaLM, appendix B)
+  exclude recomputation; hardware FLOPs include it.
+- **Compute time** = hardware FLOPs / (peak × efficiency): `efficiency` is one number per
+  GPU type (see `GPUS`), the fraction of the datasheet's peak that a transformer's kernels
+  sustain. For a measured cluster it is 1: the FLOP/s given is already what a matmul got.
+- **Communication** is chapter 8a's α–β model (`ddplab.costmodel.Model`): a ring
+  all-reduce of S bytes on n ranks takes 2(n − 1)(α + S/n·β); a ring reduce-scatter or
+  all-gather is its first or second half. What overlaps, a deliberately simple model:
+  DP's gradient reduce-scatter (all-reduce without ZeRO) runs during the last
+  micro-batch's backward and only what exceeds it, or at least the last bucket (one
+  layer's share), is exposed; ZeRO's parameter all-gather likewise during the first
+  forward; ZeRO-3's per-micro-batch all-gathers during each micro-batch. TP's collectives
+  (two forward, two backward, two more when recomputing fully) are all exposed. CP's K/V
+  ring hides behind the attention it feeds. PP's point-to-point sends, one activation per
+  micro-batch and virtual stage each way, are counted in full: they are small.
+- **Pipeline bubble** = (p − 1)/(v·m) of the pipelined work, for p stages, m micro-batches
+  and v virtual stages per GPU (Narayanan et al. 2021, section 2.2).
+
+Parameters, gradients and optimizer state follow the mixed-precision Adam accounting of
+ZeRO (Rajbhandari et al. 2020): 2Ψ bf16 parameters, 2Ψ bf16 gradients, 12Ψ fp32 master
+weights and Adam moments, sharded by ZeRO stage over the data-parallel ranks (times CP:
+those ranks hold the same parameters). A fixed `reserved` line (the CUDA context, NCCL's
+buffers, the allocator's fragmentation) sits beside the ledger's four categories.
+
+It leaves out, on purpose: memory-bound kernels (norms, softmax) whose share grows as the
+hidden size shrinks, GEMM efficiency that depends on shape, contention between groups,
+stragglers; `benchmarks/RESULTS.md` shows what that costs against published runs. No torch
+is imported: `ddplab plan` starts as fast as the package import.
+"""
+
+from ddplab.planner.predict import (
+    NEAR,
+    Plan,
+    Search,
+    layouts,
+    plan,
+    resolve,
+    search,
+    with_efficiency,
+)
+from ddplab.planner.shapes import (
+    CATEGORIES,
+    GPUS,
+    MODELS,
+    RECOMPUTE,
+    RESERVED,
+    SCHEDULES,
+    Cluster,
+    GiB,
+    Layout,
+    Transformer,
+)
+
+__all__ = ["CATEGORIES", "GPUS", "MODELS", "NEAR", "RECOMPUTE", "RESERVED", "SCHEDULES",
+           "Cluster", "GiB", "Layout", "Plan", "Search", "Transformer", "layouts", "plan",
+           "resolve", "search", "with_efficiency"]
