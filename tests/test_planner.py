@@ -64,6 +64,10 @@ def test_activations_are_korthikanti_et_al_s_table_2() -> None:
     assert m.activation_bytes(b, t) == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t)
     assert m.activation_bytes(b, t, recompute="selective") == pytest.approx(34 * s * b * h / t)
     assert m.activation_bytes(b, t, recompute="full") == pytest.approx(2 * s * b * h / t)
+    # without sequence parallelism: sbh(10 + 24/t + 5as/ht), their "tensor parallel" row
+    assert m.activation_bytes(b, t, sp=False) == pytest.approx(
+        s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert m.activation_bytes(b, t, recompute="full", sp=False) == pytest.approx(2 * s * b * h)
     # Llama: no dropout, K and V a quarter as wide, three FFN-wide tensors
     llama = MODELS["llama3-8b"]
     per_sbh = (2 + 2 + 4 * 8 / 32 + 2) + (2 + 2 * 3 * 14336 / 4096) + 4
@@ -77,7 +81,7 @@ def test_memory_for_a_layout_by_hand() -> None:
     p = plan(m, GPUS["h100"], 8, Layout(zero=1, recompute="selective"), 64)
     psi = m.params
     layer = 8192 * 4096 * 34  # bytes: per_sbh = 34 for Llama 3 8B (see above)
-    logits = 4 * 8192 * 128256
+    logits = 4 * 8192 * 128256 + 2 * 2 * 8192 * 4096  # + the final norm's input and output
     assert p.memory == pytest.approx({
         "parameters": 2 * psi, "gradients": 2 * psi, "optimizer": 12 * psi / 8,
         "activations": 32 * layer + logits, "reserved": 4 * GiB})

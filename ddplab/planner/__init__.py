@@ -58,6 +58,7 @@ from ddplab.planner.predict import (
     NEAR,
     Plan,
     Search,
+    calibrated,
     layouts,
     plan,
     resolve,
@@ -78,5 +79,6 @@ from ddplab.planner.shapes import (
 )
 
 __all__ = ["CATEGORIES", "GPUS", "MODELS", "NEAR", "RECOMPUTE", "RESERVED", "SCHEDULES",
-           "Cluster", "GiB", "Layout", "Plan", "Search", "Transformer", "layouts", "plan",
+           "Cluster", "GiB", "Layout", "Plan", "Search", "Transformer", "calibrated", "layouts",
+           "plan",
            "resolve", "search", "with_efficiency"]

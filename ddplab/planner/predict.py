@@ -177,17 +177,20 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     if lay.interleave > 1:  # Korthikanti et al. 2022, section 4.2.3
         in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.interleave)
     word, state = (4, 8) if lay.fp32 else (2, 12)  # bytes a parameter: weight, optimizer
-    act = per_stage * m.activation_bytes(lay.micro_batch, lay.tp, lay.cp, lay.recompute)
+    act = per_stage * m.activation_bytes(lay.micro_batch, lay.tp, lay.cp, lay.recompute,
+                                         lay.sp)
     act *= word / 2
-    logits = 4 * m.seq / lay.cp * lay.micro_batch * m.vocab / lay.tp  # fp32, last stage
+    last = m.last_stage_bytes(lay.micro_batch, lay.tp, lay.cp, lay.sp, word)
+    last_flight = mbs if lay.schedule == "gpipe" else 1
     out.memory = {
         "parameters": word * psi / (shard if lay.zero >= 3 else 1),
         "gradients": word * psi / (shard if lay.zero >= 2 else 1),
         "optimizer": state * psi / (shard if lay.zero >= 1 else 1),
-        # The first stage keeps the most micro-batches in flight, the last the logits:
-        # whichever weighs more (with one stage, both).
-        "activations": (act * in_flight + logits if lay.pp == 1
-                        else max(act * in_flight, act + logits)),
+        # The first stage keeps the most micro-batches in flight (1F1B), the last its
+        # logits too: whichever weighs more (with one stage, both). GPipe keeps every
+        # micro-batch on every stage.
+        "activations": (act * in_flight + last * last_flight if lay.pp == 1
+                        else max(act * in_flight, (act + last) * last_flight)),
         RESERVED: c.reserved,
     }
     if out.memory_total > c.memory:  # the times below still say what it would take
@@ -330,3 +333,23 @@ def with_efficiency(cluster: Cluster, efficiency: float) -> Cluster:
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency {efficiency}: must be in (0, 1]")
     return replace(cluster, efficiency=efficiency)
+
+
+def calibrated(p: Plan, seconds: float) -> Cluster:
+    """`p`'s cluster with the efficiency at which `p`'s step takes the `seconds` measured:
+    its compute and bubble (which scale with 1/efficiency) stretched or shrunk to fill
+    what its communication leaves. One measured layout calibrates; the others are then
+    predictions to check (the GPUs' efficiencies are set the same way, on published
+    runs)."""
+    if not p.time:
+        raise ValueError("calibrated needs a plan with times (a valid layout)")
+    scaled = p.time["compute"] + p.time["bubble"]
+    left = seconds - p.time["communication"]
+    if left <= 0:
+        raise ValueError(f"{seconds} s measured is no more than the plan's communication "
+                         f"alone ({p.time['communication']:.3g} s): nothing to calibrate")
+    efficiency = p.cluster.efficiency * scaled / left
+    if efficiency > 1:
+        raise ValueError(f"the step measured ({seconds:.3g} s) is faster than its FLOPs at "
+                         f"the cluster's FLOP/s allow: efficiency {efficiency:.2f} > 1")
+    return replace(p.cluster, efficiency=efficiency)

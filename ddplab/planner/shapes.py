@@ -87,19 +87,34 @@ class Transformer:
         return self.layers * (3 * self.layer_flops() + extra) + 6 * self.hidden * self.vocab
 
     def activation_bytes(self, micro_batch: int, tp: int = 1, cp: int = 1,
-                         recompute: str = "none") -> float:
-        """Korthikanti et al. 2022's bytes saved by one layer for one micro-batch, with
-        sequence parallelism (everything divided by TP) and the sequence split CP ways."""
+                         recompute: str = "none", sp: bool = True) -> float:
+        """Korthikanti et al. 2022's bytes saved by one layer for one micro-batch (bf16),
+        the sequence split CP ways. With sequence parallelism (`sp`) everything is divided
+        by TP; without it the norms' regions stay whole on every rank (their Table 2,
+        "tensor parallel": sbh(10 + 24/t + 5as/ht) for GPT), as torch's plain
+        `ColwiseParallel`/`RowwiseParallel` leave them."""
         s, b, h = self.seq / cp, micro_batch, self.hidden
-        if recompute == "full":
-            return 2 * s * b * h / tp
+        whole = 1 if sp else tp  # what the norms' regions are divided by
+        if recompute == "full":  # the layer's input only
+            return 2 * s * b * h / (tp / whole)
         r, mask = self.kv_heads / self.heads, int(self.dropout)
-        attention = 2 + 2 + 4 * r + 2 + mask  # norm output, Q, K and V, projection input
-        mlp = 2 + 2 * (3 if self.gated else 2) * self.ffn / h + mask  # input, FFN-wide
-        per_layer = s * b * h * (attention + mlp + 4)  # + the two norms' inputs
+        # The norms' regions: both norms' inputs, their outputs (the inputs of Q, K, V and
+        # of the MLP), and the masks of the dropouts before each residual addition.
+        norms = 4 + 2 + 2 + 2 * mask
+        # Split by TP: Q, K and V, the projection's input, the FFN-wide tensors.
+        split = 2 + 4 * r + 2 + 2 * (3 if self.gated else 2) * self.ffn / h
+        per_layer = s * b * h * (norms * whole + split) / tp
         if recompute == "none":  # scores, softmax (and its dropout's mask and output)
-            per_layer += (2 + 3 * mask) * self.heads * s * self.seq * b
-        return per_layer / tp
+            per_layer += (2 + 3 * mask) * self.heads * s * self.seq * b / tp
+        return per_layer
+
+    def last_stage_bytes(self, micro_batch: int, tp: int = 1, cp: int = 1,
+                         sp: bool = True, word: int = 2) -> float:
+        """What the last pipeline stage saves beyond its layers, for one micro-batch: the
+        final norm's input and output (the logit layer's input), `word` bytes an element,
+        and the fp32 log-softmax of the logits that the cross-entropy keeps."""
+        s, b = self.seq / cp, micro_batch
+        return word * 2 * s * b * self.hidden / (tp if sp else 1) + 4 * s * b * self.vocab / tp
 
 
 @dataclass(frozen=True)
@@ -121,16 +136,21 @@ class Cluster:
 
     @classmethod
     def measured(cls, alpha: float, beta: float, flops: float, memory: float,
-                 gpus_per_node: int = 1 << 20, name: str = "measured") -> Cluster:
+                 gpus_per_node: int = 1 << 20, name: str = "measured",
+                 efficiency: float = 1.0) -> Cluster:
         """A cluster from measurements: α and β from `ddplab.costmodel.fit` of a ping-pong,
-        `flops` from a timed matmul, `memory` what a rank may use. One link everywhere,
-        efficiency 1 (the matmul's rate is what compute achieves), nothing reserved; the
-        default node is large enough that TP never has to leave it, as on one laptop."""
+        `flops` from timed matmuls, `memory` what a rank may use. One link everywhere,
+        nothing reserved; the default node is large enough that TP never has to leave it,
+        as on one laptop. `efficiency` 1 says a step computes at the matmuls' rate; a step
+        also runs what is not a matmul (norms, softmax, the optimizer, Python), and
+        `calibrated` finds the efficiency one measured step implies."""
         if min(flops, memory) <= 0 or min(alpha, beta) < 0:
             raise ValueError("measured cluster: flops and memory must be positive, α and β "
                              f"not negative (got {flops=}, {memory=}, {alpha=}, {beta=})")
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"efficiency {efficiency}: must be in (0, 1]")
         link = Link(alpha, beta)
-        return cls(name, flops, memory, link, link, gpus_per_node, 1.0, 0.0,
+        return cls(name, flops, memory, link, link, gpus_per_node, efficiency, 0.0,
                    "measured on this machine")
 
 
@@ -195,7 +215,9 @@ class Layout:
     """How the GPUs are split: TP × CP × PP × DP = GPUs (DP is what is left). `micro_batch`
     sequences per micro-batch; `interleave` virtual pipeline stages per GPU (1F1B only);
     `fp32`: everything in fp32 (4 + 4 + 8 bytes a parameter, activations twice as large),
-    as the kit's CPU runs train, rather than bf16 mixed precision (2 + 2 + 12)."""
+    as the kit's CPU runs train, rather than bf16 mixed precision (2 + 2 + 12); `sp`:
+    TP with sequence parallelism (Megatron-LM's, the norms' activations split too), or
+    without (torch's plain column- and row-parallel layers: the kit's CPU runs)."""
 
     tp: int = 1
     pp: int = 1
@@ -206,6 +228,7 @@ class Layout:
     schedule: str = "1f1b"
     recompute: str = "none"
     fp32: bool = False
+    sp: bool = True
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "cp", "micro_batch", "interleave"):
@@ -220,7 +243,8 @@ class Layout:
         pipe = f", {self.schedule}" + (f" ×{self.interleave}" if self.interleave > 1 else "")
         return (f"DP {dp}, TP {self.tp}, PP {self.pp}{pipe if self.pp > 1 else ''}, "
                 f"CP {self.cp}, ZeRO-{self.zero}, micro-batch {self.micro_batch}, "
-                f"recompute {self.recompute}{', fp32' if self.fp32 else ''}")
+                f"recompute {self.recompute}{', fp32' if self.fp32 else ''}"
+                f"{', no SP' if self.tp > 1 and not self.sp else ''}")
 
 
 
