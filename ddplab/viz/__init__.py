@@ -36,6 +36,9 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
 - shards (`shards`): `show_shards`, which rank holds which shard of which tensor at each
   moment of a step (own, gathered copy, not held, freed); `show_dtensor`, a DTensor's
   global tensor and each rank's local shard for placements such as Shard(0) on a mesh.
+- plans (`plans`): `show_plan`, the planner's prediction for one layout or several: memory
+  per GPU by category against the GPU's memory, the step split into compute, exposed
+  communication and bubble.
 
 They all draw with the shared primitives: the palette (`palette`: a colour always means a
 rank), what a cell holds (`cells`), the canvas (`canvas`: inches, panels, arrows, legends)
@@ -56,6 +59,7 @@ from ddplab.viz.curves import LossCurves
 from ddplab.viz.data import show_deal, show_digits, show_sampler
 from ddplab.viz.memory import show_memory, show_memory_breakdown
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
+from ddplab.viz.plans import show_plan
 from ddplab.viz.png import png_bytes, screen_size
 from ddplab.viz.shards import show_dtensor, show_shards
 from ddplab.viz.tensors import (
@@ -92,6 +96,7 @@ __all__ = [
     "show_before_after", "show_buckets", "show_cluster", "show_ddp_step", "show_deal",
     "show_digits", "show_dtensor", "show_flight", "show_inbox", "show_launch", "show_leftover",
     "show_memory", "show_memory_breakdown", "show_mesh", "show_nesting", "show_overlap",
+    "show_plan",
     "show_ranks", "show_rendezvous", "show_ring", "show_sampler", "show_shards", "show_steps",
     "show_store", "show_timeline", "show_transfers", "text_color", "tint",
 ]
