@@ -27,7 +27,7 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 
-from ddplab.planner import GPUS, MODELS, Layout, Plan, Transformer, plan
+from ddplab.planner import GPUS, MODELS, Layout, Plan, Transformer, plan, with_efficiency
 from ddplab.tables import format_table
 
 TOLERANCE = 0.15
@@ -51,8 +51,10 @@ class Published:
     tflops: float
     hardware: bool
 
-    def predict(self) -> Plan:
-        return plan(self.model, GPUS[self.gpu], self.gpus, self.layout, self.batch)
+    def predict(self, efficiency: float | None = None) -> Plan:
+        cluster = GPUS[self.gpu] if efficiency is None else with_efficiency(GPUS[self.gpu],
+                                                                            efficiency)
+        return plan(self.model, cluster, self.gpus, self.layout, self.batch)
 
     def predicted_tflops(self, p: Plan) -> float:
         return p.tflops_per_gpu if self.hardware else p.mfu * p.cluster.flops / 1e12
@@ -129,6 +131,30 @@ def fitted_efficiency(runs: list[Published]) -> float:
     return GPUS[runs[0].gpu].efficiency * math.exp(-sum(logs) / len(logs))
 
 
+def held_out(runs: list[Published] = PUBLISHED) -> list[tuple[Published, float, float]]:
+    """Each run predicted with an efficiency it did not help to set: fitted on the OTHER
+    runs of its GPU type (leave one out). (run, that efficiency, predicted TFLOP/s): the
+    honest check, since the presets' efficiencies were fitted on all the rows."""
+    out = []
+    for run in runs:
+        others = [r for r in runs if r.gpu == run.gpu and r is not run]
+        efficiency = fitted_efficiency(others)
+        out.append((run, efficiency, run.predicted_tflops(run.predict(efficiency))))
+    return out
+
+
+def crossed() -> list[tuple[Published, float, float]]:
+    """Each paper's runs predicted with the efficiency fitted on the OTHER paper's (Llama 3's
+    H100 runs with Megatron-LM's A100 efficiency, and back): other GPUs, other software,
+    the strictest hold-out the two sources allow."""
+    out = []
+    for runs, other in ((LLAMA3, MEGATRON), (MEGATRON, LLAMA3)):
+        efficiency = fitted_efficiency(other)
+        out += [(run, efficiency, run.predicted_tflops(run.predict(efficiency)))
+                for run in runs]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -143,6 +169,16 @@ def main() -> None:
         print(format_table(table, header=HEADER, rule=True, align="<<>>>>>>"))
     print(f"efficiency fitted on Llama 3 (H100): {fitted_efficiency(LLAMA3):.3f}; "
           f"on Megatron-LM (A100): {fitted_efficiency(MEGATRON):.3f}")
+    print("held out (efficiency fitted on the other rows of the same GPU):")
+    for run, efficiency, got in held_out():
+        ratio = got / run.tflops
+        print(f"  {run.source}: efficiency {efficiency:.3f}, {got:.0f} TFLOP/s, ratio "
+              f"{ratio:.2f} {'✓' if abs(ratio - 1) <= TOLERANCE else '✗'}")
+    print("crossed (efficiency fitted on the other paper's runs):")
+    for run, efficiency, got in crossed():
+        ratio = got / run.tflops
+        print(f"  {run.source}: efficiency {efficiency:.3f}, {got:.0f} TFLOP/s, ratio "
+              f"{ratio:.2f} {'✓' if abs(ratio - 1) <= TOLERANCE else '✗'}")
     for v in (1, 2, 8):
         for run in LLAMA3:
             alt = replace(run, layout=replace(run.layout, interleave=v))

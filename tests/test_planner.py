@@ -194,6 +194,25 @@ def test_published_runs_within_15_percent_but_the_documented_miss() -> None:
         assert GPUS[runs[0].gpu].efficiency == pytest.approx(fitted, abs=0.01)
 
 
+def test_held_out_the_efficiency_still_predicts() -> None:
+    """The efficiencies were fitted on the rows they are checked against; held out, they
+    still predict: each row with the efficiency fitted on the others of its GPU type (the
+    same miss, 1.7B, now +21 %), and each paper with the other paper's efficiency: Llama 3's
+    H100 runs from Megatron-LM's A100 runs within 10 %, Megatron-LM's from Llama 3's but
+    its two smallest models (+27 %, +20 %: the same kernels further from peak)."""
+    published = _published()
+
+    def misses(rows):
+        return {run.source: round(got / run.tflops, 2) for run, _, got in rows
+                if abs(got / run.tflops - 1) > published.TOLERANCE}
+
+    assert misses(published.held_out()) == {"Megatron-LM, Table 1: 1.7B": 1.21}
+    crossed = published.crossed()
+    assert misses(crossed) == {"Megatron-LM, Table 1: 1.7B": 1.27,
+                               "Megatron-LM, Table 1: 3.6B": 1.2}
+    assert all(0.9 <= got / run.tflops <= 1 for run, _, got in crossed[:3])  # Llama 3
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ddplab", "plan", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
