@@ -1,0 +1,104 @@
+"""Chapter 10's exercises: model parallelism by hand, and the planner (chapter 10d).
+
+Each section is one exercise, delimited by a `# --- 10.N title ---` line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ddplab.exercises import NotYet, exercise, expect
+
+# --- 10.6 the model's state on one GPU of a layout (chapter 10d) ---
+
+STATE = ("parameters", "gradients", "optimizer")
+"""What exercise 10.6 predicts: a GPU's model state, in bytes (mixed-precision Adam)."""
+
+
+def _cases() -> list[tuple[str, str, int, dict]]:
+    """(model preset, description, GPUs, layout fields): each case changes what the one
+    before it taught (TP, uneven pipeline stages, CP inside ZeRO's group, ZeRO-3, tied
+    embeddings, a stage in the middle)."""
+    return [
+        ("llama3-70b", "TP 8, PP 4, ZeRO-1", 64, dict(tp=8, pp=4, zero=1)),
+        ("llama3-405b", "TP 8, PP 16 (126 layers), ZeRO-2", 1024, dict(tp=8, pp=16, zero=2)),
+        ("llama3-70b", "TP 4, CP 2, ZeRO-1", 64, dict(tp=4, cp=2, zero=1)),
+        ("llama3-8b", "TP 2, CP 2, ZeRO-3", 64, dict(tp=2, cp=2, zero=3)),
+        ("gpt3-175b", "TP 8, no PP, ZeRO-2 (tied embeddings)", 512, dict(tp=8, zero=2)),
+        ("gpt3-175b", "TP 8, PP 8, ZeRO-0", 512, dict(tp=8, pp=8)),
+    ]
+
+
+def _planned(name: str, gpus: int, fields: dict) -> dict[str, float]:
+    from ddplab.planner import GPUS, MODELS, Layout, plan
+
+    p = plan(MODELS[name], GPUS["h100"], gpus, Layout(**fields), 1 << 14)
+    return {k: p.memory[k] for k in STATE}
+
+
+def _variant(name: str, gpus: int, fields: dict, mistake: str) -> dict[str, float]:
+    """What a known mistake predicts, to name it in the hint."""
+    import math
+
+    from ddplab.planner import MODELS
+
+    m = MODELS[name]
+    tp, pp, cp, zero = (fields.get(k, d) for k, d in (("tp", 1), ("pp", 1), ("cp", 1),
+                                                         ("zero", 0)))
+    dp = gpus // (tp * pp * cp)
+    layers = m.layers / pp if mistake == "even" else math.ceil(m.layers / pp)
+    layer = m.layer_matmul_params + 2 * m.hidden
+    if pp == 1 or mistake == "both ends":
+        ends = m.embedding_params + m.hidden
+    else:
+        ends = m.hidden * m.vocab
+    psi = (layers * layer + ends) / (1 if mistake == "no tp" else tp)
+    shard = dp if mistake == "dp only" else dp * cp
+    words = (4, 4, 8) if mistake == "fp32" else (2, 2, 12)
+    return {"parameters": words[0] * psi / (shard if zero >= 3 else 1),
+            "gradients": words[1] * psi / (shard if zero >= 2 and mistake != "grads" else 1),
+            "optimizer": words[2] * psi / (shard if zero >= 1 else 1)}
+
+
+MISTAKES = {
+    "dp only": "ZeRO shards over every rank that holds the same parameters: with CP, the "
+               "ranks of a context-parallel group hold the same weights too (DP × CP of them)",
+    "grads": "ZeRO-2 shards the gradients as well as the optimizer's states",
+    "no tp": "tensor parallelism splits every weight matrix (and Megatron-LM's embedding and "
+             "logit layer) TP ways before anything else",
+    "even": "a stage holds whole layers: the fullest holds ⌈layers / PP⌉ of them",
+    "both ends": "with PP, the embedding sits on the first stage and the logit layer on the "
+                 "last: the fullest stage holds one of them, not both",
+    "fp32": "mixed precision: bf16 weights and gradients (2 bytes each), fp32 master weights "
+            "and Adam's two moments (12 bytes)",
+}
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(abs(b), 1.0)
+
+
+@exercise("10.6", "The model's state on one GPU of a layout",
+          solution="model_state_bytes",
+          hint="per GPU: the fullest pipeline stage's parameters, split by TP, then what the "
+               "ZeRO stage shards, over every rank that holds the same parameters.")
+def check_model_state_bytes(model_state_bytes: Callable) -> str:
+    from ddplab.planner import MODELS, Layout
+
+    for name, text, gpus, fields in _cases():
+        got = model_state_bytes(MODELS[name], Layout(**fields), gpus)
+        where = f"for {MODELS[name].name} on {gpus:,} GPUs, {text}"
+        expect(isinstance(got, dict) and set(STATE) <= set(got),
+               f"{where}, you returned {got!r}; expected a dict of bytes: {{'parameters': "
+               "..., 'gradients': ..., 'optimizer': ...}.")
+        want = _planned(name, gpus, fields)
+        for category in STATE:
+            if _same(float(got[category]), want[category]):
+                continue
+            hint = next((why for mistake, why in MISTAKES.items()
+                         if _same(float(got[category]),
+                                  _variant(name, gpus, fields, mistake)[category])), "")
+            raise NotYet(f"{where}, you predicted {got[category]:,.0f} bytes of {category} "
+                         f"per GPU; the planner says {want[category]:,.0f}.", hint)
+    return (f"your model state matches the planner's in all {len(_cases())} layouts: TP, "
+            "uneven stages, CP inside ZeRO's group, ZeRO-1, 2, 3 and tied embeddings.")
