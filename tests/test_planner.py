@@ -4,7 +4,6 @@ and the published runs of benchmarks/planner_vs_published.py. Pure arithmetic: s
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import subprocess
@@ -22,12 +21,9 @@ GiB = 1 << 30
 
 
 def _published():
-    spec = importlib.util.spec_from_file_location(
-        "planner_vs_published", ROOT / "benchmarks" / "planner_vs_published.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    from ddplab.planner import published
+
+    return published
 
 
 def _gpt(layers=24, hidden=2304, heads=24, vocab=51200, seq=2048) -> Transformer:
