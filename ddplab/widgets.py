@@ -305,7 +305,7 @@ class PlannerExplorer(widgets.VBox):
         self.plan = planner.plan(planner.MODELS[self.model.value],
                                  planner.GPUS[self.gpu.value], self.gpus.value,
                                  self.layout_now, self.batch.value)
-        figure = show_plan(self.plan.as_dict(), labels=[f"DP {self.plan.dp}"])
+        figure = show_plan(self.plan.as_dict())
         self.image.value = png_bytes(figure)
         self.image.width = str(screen_size(figure)[0])
         self.text.value = f"<pre>{html.escape(self.plan.table())}</pre>"
@@ -328,7 +328,7 @@ class PlannerExplorer(widgets.VBox):
         finally:
             self._holding = False
         self.update()
-        return show_plan(self.plan.as_dict(), labels=[f"DP {self.plan.dp}"])
+        return show_plan(self.plan.as_dict())
 
     def _changed(self, change: dict) -> None:
         if not self._holding:

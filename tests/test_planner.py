@@ -214,6 +214,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+def test_cli_plans_tp_without_sequence_parallelism() -> None:
+    with_sp = json.loads(_cli("--model", "llama3-8b", "--tp", "4", "--json").stdout)
+    without = json.loads(_cli("--model", "llama3-8b", "--tp", "4", "--no-sp", "--json").stdout)
+    assert without["layout"]["sp"] is False and with_sp["layout"]["sp"] is True
+    assert without["memory_bytes"]["activations"] > with_sp["memory_bytes"]["activations"]
+    assert without["memory_bytes"]["parameters"] == with_sp["memory_bytes"]["parameters"]
+
+
 def test_cli_json_round_trip() -> None:
     args = ["--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "2",
             "--zero", "1", "--recompute", "selective", "--tokens", str(1 << 22)]
