@@ -106,7 +106,7 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     left, gap, right = 0.3 + label_w + 0.2, 1.35, 1.35  # gap, right: the totals written
     span = max(MAX_WIDTH - left - gap - right, 4.0)
     mem_w, step_w = span * 0.5, span * 0.5
-    width = max(left + mem_w + gap + step_w + right, title_width(title))
+    width = max(min(left + mem_w + gap + step_w + right, MAX_WIDTH), title_width(title))
     chars = max(int((width - left - 0.3) / 0.075), 30)
     notes = [textwrap.wrap("; ".join(p.get("reasons", [])), chars) for p in plans]
     bar_h, line = 0.3, 0.2
