@@ -51,13 +51,15 @@ BATCH = 8
 def layouts(world: int = 2, batch_size: int = BATCH) -> dict[str, Layout]:
     """The layouts the checks run on `world` ranks, by name, in fp32: DP (micro-batch: a
     rank's whole share), ZeRO-1 and ZeRO-3 likewise, TP over every rank without sequence
-    parallelism, PP over every rank with GPipe and 4 micro-batches."""
+    parallelism, PP over every rank with GPipe and 4 micro-batches (whole layers a stage,
+    the logit layer on the last: not balanced)."""
     share = batch_size // world
     return {"DP": Layout(micro_batch=share, fp32=True),
             "ZeRO-1": Layout(zero=1, micro_batch=share, fp32=True),
             "ZeRO-3": Layout(zero=3, micro_batch=share, fp32=True),
             "TP": Layout(tp=world, micro_batch=batch_size, fp32=True, sp=False),
-            "PP": Layout(pp=world, micro_batch=batch_size // 4, schedule="gpipe", fp32=True)}
+            "PP": Layout(pp=world, micro_batch=batch_size // 4, schedule="gpipe", fp32=True,
+                         balanced=False)}
 
 
 def torch_extra(shape: Transformer, layout: Layout) -> dict[str, int]:

@@ -197,11 +197,15 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
         why.append(f"needs {out.memory_total / GiB:.0f} GiB, has {c.memory / GiB:.0f}")
 
     # Compute: the step's hardware FLOPs shared by every GPU, at the pace of the slowest
-    # pipeline stage (whole layers; the logit layer's work spread as Llama 3 balances it).
+    # pipeline stage: whole layers, and the logit layer's work spread over the stages as
+    # Llama 3 balances them, or (balanced False) on the last stage.
     rate = c.flops * c.efficiency
     hw = m.flops_per_token(lay.recompute)
     per_layer = (hw - 6 * m.hidden * m.vocab) / m.layers
-    slowest = max(per_stage * per_layer, hw / lay.pp) * lay.pp / hw
+    if lay.balanced or lay.pp == 1:
+        slowest = max(per_stage * per_layer, hw / lay.pp) * lay.pp / hw
+    else:  # whole layers a stage, the logit layer on the last one
+        slowest = (per_stage * per_layer + 6 * m.hidden * m.vocab) * lay.pp / hw
     tokens = batch * m.seq
     compute = tokens * hw / gpus * slowest / rate
     per_mb = compute / mbs

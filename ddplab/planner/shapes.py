@@ -217,7 +217,10 @@ class Layout:
     `fp32`: everything in fp32 (4 + 4 + 8 bytes a parameter, activations twice as large),
     as the kit's CPU runs train, rather than bf16 mixed precision (2 + 2 + 12); `sp`:
     TP with sequence parallelism (Megatron-LM's, the norms' activations split too), or
-    without (torch's plain column- and row-parallel layers: the kit's CPU runs)."""
+    without (torch's plain column- and row-parallel layers: the kit's CPU runs);
+    `balanced`: pipeline stages balanced so that the logit layer's work is spread over them
+    (as Llama 3 does, fewer layers on the last stage), or whole equal stages with the logit
+    layer added to the last one (the kit's pipeline by hand)."""
 
     tp: int = 1
     pp: int = 1
@@ -229,6 +232,7 @@ class Layout:
     recompute: str = "none"
     fp32: bool = False
     sp: bool = True
+    balanced: bool = True
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "cp", "micro_batch", "interleave"):
