@@ -284,7 +284,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
             "activations, reserved) and how long a training step takes (compute, exposed "
             "communication, pipeline bubble), with tokens/s and MFU, for a model, a cluster "
             "and a layout; or, with --search, rank every layout that fits. DP is what "
-            "GPUs / (TP × PP × CP) leaves. The formulas and their sources: ddplab/planner/. "
+            "GPUs / (TP × PP × CP) leaves. The formulas and their sources: ddplab/planner.py. "
             "Exit status 1: the layout cannot run (the reasons are printed)."
         ),
         allow_abbrev=False,

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 
 from ddplab import Pool
-from ddplab.planner import CATEGORIES, Cluster, calibrated, cpu, plan
+from ddplab.planner import CATEGORIES, Cluster, calibrated, plan
+from ddplab.planning import cpu
 
 SHAPE, BATCH, LAYOUTS = cpu.SHAPE, cpu.BATCH, cpu.layouts(2)
 

@@ -54,7 +54,7 @@ stragglers; `benchmarks/RESULTS.md` shows what that costs against published runs
 is imported: `ddplab plan` starts as fast as the package import.
 """
 
-from ddplab.planner.predict import (
+from ddplab.planning.predict import (
     NEAR,
     Plan,
     Search,
@@ -65,7 +65,7 @@ from ddplab.planner.predict import (
     search,
     with_efficiency,
 )
-from ddplab.planner.shapes import (
+from ddplab.planning.shapes import (
     CATEGORIES,
     GPUS,
     MODELS,

@@ -39,10 +39,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ddplab.planner.shapes import Layout, Transformer
+from ddplab.planning.shapes import Layout, Transformer
 
 SHAPE = Transformer("a CPU transformer", layers=2, hidden=256, heads=4, kv_heads=4, ffn=1024,
-                    vocab=512, seq=64, gated=False, source="ddplab.planner.cpu.build")
+                    vocab=512, seq=64, gated=False, source="ddplab.planning.cpu.build")
 """The model the kit's CPU checks train: 1.7 million parameters, a step in tens of ms."""
 BATCH = 8
 """Sequences in a step's global batch."""

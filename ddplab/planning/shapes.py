@@ -1,7 +1,7 @@
 """The planner's inputs: a transformer's shape, a cluster, a layout, and their presets.
 
 Plain data with the arithmetic that belongs to each (a model's parameters, FLOPs and
-activation bytes; a cluster's links; a layout's checks); `ddplab.planner.predict` combines
+activation bytes; a cluster's links; a layout's checks); `ddplab.planning.predict` combines
 them into a plan. The formulas and their sources are in the package's docstring.
 """
 

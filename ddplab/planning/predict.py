@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ddplab.costmodel import Model as Link
 from ddplab.costmodel import bytes_text
-from ddplab.planner.shapes import (
+from ddplab.planning.shapes import (
     RECOMPUTE,
     RESERVED,
     Cluster,

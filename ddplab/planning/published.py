@@ -28,8 +28,8 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 
-from ddplab.planner.predict import Plan, plan, with_efficiency
-from ddplab.planner.shapes import GPUS, MODELS, Layout, Transformer
+from ddplab.planning.predict import Plan, plan, with_efficiency
+from ddplab.planning.shapes import GPUS, MODELS, Layout, Transformer
 from ddplab.tables import format_table
 
 TOLERANCE = 0.15
