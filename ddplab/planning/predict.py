@@ -38,6 +38,7 @@ class Plan:
     time: dict[str, float] = field(default_factory=dict)
     exposed: dict[str, float] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
+    stages: list[int] = field(default_factory=list)
 
     @property
     def feasible(self) -> bool:
@@ -126,6 +127,31 @@ def _overlapped(comm: float, window: float, buckets: int) -> float:
     return max(comm - window, comm / max(buckets, 1)) if comm else 0.0
 
 
+def stages(layers: int, pp: int, layer: float, logit: float, balanced: bool = True
+           ) -> list[int]:
+    """Whole layers on each of `pp` stages, first to last; the last also runs the logit
+    layer (`logit`, in the units of `layer`). Balanced: the split whose slowest stage is
+    fastest, moving whole layers off the last stage and, of the rest, the odd ones off the
+    first (which holds the most micro-batches in flight under 1F1B: Llama 3 takes one layer
+    off each end). A real split has no fractions: 80 layers on 16 stages leave the last
+    stage 5 layers and the logit layer, or another stage 6. Not balanced: equal stages (the
+    first ones take the remainder), the logit layer added to the last (the kit's pipeline
+    by hand). Interleaving is split at the same granularity, per GPU."""
+    if pp == 1:
+        return [layers]
+    if not balanced:
+        q, r = divmod(layers, pp)
+        return [q + 1] * r + [q] * (pp - r)
+    best, cost = [], math.inf
+    for k in range(0, math.ceil(layers / pp) + 1):
+        q, r = divmod(layers - k, pp - 1)
+        split = [q] * (pp - 1 - r) + [q + 1] * r + [k]
+        slowest = max(max(split[:-1]) * layer, k * layer + logit)
+        if not best or slowest < cost * (1 - 1e-9):
+            best, cost = split, slowest
+    return best
+
+
 def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
          batch: int) -> Plan:
     """Predict `layout` for `model` on `gpus` GPUs of `cluster`, `batch` sequences a step.
@@ -166,46 +192,48 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     if why:
         return out
 
-    # Memory: parameters on the stage that holds most (layers, and the embedding or the
-    # logit layer at an end), sharded by TP, then by ZeRO over the ranks that share them.
-    per_stage = math.ceil(m.layers / lay.pp)
+    # Stages of whole layers (a split that can be built), the same for memory and compute.
+    rate = c.flops * c.efficiency
+    hw = m.flops_per_token(lay.recompute)
+    logit = 6 * m.hidden * m.vocab  # the logit layer's FLOPs a token, on the last stage
+    per_layer = (hw - logit) / m.layers
+    counts = out.stages = stages(m.layers, lay.pp, per_layer, logit, lay.balanced)
+    per_stage = max(counts)
+
+    # Memory on the stage that holds most: its layers, and the embedding or the logit layer
+    # at an end, sharded by TP, then by ZeRO over the ranks that share them. Under 1F1B
+    # stage i keeps p − i micro-batches in flight, the last one its logits too; GPipe keeps
+    # every micro-batch on every stage.
     layer_params = m.layer_matmul_params + 2 * m.hidden
-    ends = m.embedding_params + m.hidden if lay.pp == 1 else m.hidden * m.vocab
-    psi = (per_stage * layer_params + ends) / lay.tp
     shard = dp * lay.cp
-    in_flight = mbs if lay.schedule == "gpipe" else min(mbs, lay.pp)
-    if lay.interleave > 1:  # Korthikanti et al. 2022, section 4.2.3
-        in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.interleave)
     word, state = (4, 8) if lay.fp32 else (2, 12)  # bytes a parameter: weight, optimizer
-    act = per_stage * m.activation_bytes(lay.micro_batch, lay.tp, lay.cp, lay.recompute,
-                                         lay.sp)
-    act *= word / 2
+    act = m.activation_bytes(lay.micro_batch, lay.tp, lay.cp, lay.recompute, lay.sp)
+    act *= word / 2  # one layer, one micro-batch
     last = m.last_stage_bytes(lay.micro_batch, lay.tp, lay.cp, lay.sp, word)
-    last_flight = mbs if lay.schedule == "gpipe" else 1
-    out.memory = {
-        "parameters": word * psi / (shard if lay.zero >= 3 else 1),
-        "gradients": word * psi / (shard if lay.zero >= 2 else 1),
-        "optimizer": state * psi / (shard if lay.zero >= 1 else 1),
-        # The first stage keeps the most micro-batches in flight (1F1B), the last its
-        # logits too: whichever weighs more (with one stage, both). GPipe keeps every
-        # micro-batch on every stage.
-        "activations": (act * in_flight + last * last_flight if lay.pp == 1
-                        else max(act * in_flight, (act + last) * last_flight)),
-        RESERVED: c.reserved,
-    }
+    fullest, psi = None, 0.0
+    for i, n in enumerate(counts):
+        ends = m.embedding_params + m.hidden if lay.pp == 1 else m.hidden * m.vocab
+        params = (n * layer_params + (ends if i in (0, lay.pp - 1) else 0)) / lay.tp
+        flight = mbs if lay.schedule == "gpipe" else min(mbs, lay.pp - i)
+        if lay.interleave > 1 and i == 0:  # Korthikanti et al. 2022, section 4.2.3
+            flight *= 1 + (lay.pp - 1) / (lay.pp * lay.interleave)
+        held = {
+            "parameters": word * params / (shard if lay.zero >= 3 else 1),
+            "gradients": word * params / (shard if lay.zero >= 2 else 1),
+            "optimizer": state * params / (shard if lay.zero >= 1 else 1),
+            "activations": n * act * flight + (
+                last * (mbs if lay.schedule == "gpipe" else 1) if i == lay.pp - 1 else 0),
+            RESERVED: c.reserved,
+        }
+        if fullest is None or sum(held.values()) > sum(fullest.values()):
+            fullest, psi = held, params
+    out.memory = fullest
     if out.memory_total > c.memory:  # the times below still say what it would take
         why.append(f"needs {out.memory_total / GiB:.0f} GiB, has {c.memory / GiB:.0f}")
 
-    # Compute: the step's hardware FLOPs shared by every GPU, at the pace of the slowest
-    # pipeline stage: whole layers, and the logit layer's work spread over the stages as
-    # Llama 3 balances them, or (balanced False) on the last stage.
-    rate = c.flops * c.efficiency
-    hw = m.flops_per_token(lay.recompute)
-    per_layer = (hw - 6 * m.hidden * m.vocab) / m.layers
-    if lay.balanced or lay.pp == 1:
-        slowest = max(per_stage * per_layer, hw / lay.pp) * lay.pp / hw
-    else:  # whole layers a stage, the logit layer on the last one
-        slowest = (per_stage * per_layer + 6 * m.hidden * m.vocab) * lay.pp / hw
+    # Compute: the step's hardware FLOPs at the pace of the slowest stage.
+    slowest = max(n * per_layer + (logit if i == lay.pp - 1 else 0)
+                  for i, n in enumerate(counts)) * lay.pp / hw
     tokens = batch * m.seq
     compute = tokens * hw / gpus * slowest / rate
     per_mb = compute / mbs

@@ -162,13 +162,13 @@ def _link(gb_per_s: float, latency_us: float) -> Link:
 # of nccl-tests' small-message times; the plans below barely depend on them, their
 # messages being megabytes. Efficiencies: one per GPU type, set once so that predicted ÷
 # published has a geometric mean of 1 over that GPU's published runs (0.589 from Llama 3's
-# H100 runs, 0.546 from Megatron-LM's A100 runs: benchmarks/planner_vs_published.py); the
+# H100 runs, 0.555 from Megatron-LM's A100 runs: benchmarks/planner_vs_published.py); the
 # H200 takes the H100's (the same compute), the A100 40GB the 80GB's. The checks then test
 # how throughput changes from layout to layout, not its level. Memory: "80 GB" on these
 # datasheets is what nvidia-smi shows as about 80 GiB (81,559 MiB on an H100), so GiB.
 # Reserved: the CUDA context (~0.5 GiB), NCCL's buffers and the caching allocator's
 # fragmentation, an estimate (a few GiB is what PyTorch users see as reserved-not-allocated).
-_A100 = dict(flops=312e12, intra=_link(300, 5), inter=_link(25, 10), efficiency=0.54,
+_A100 = dict(flops=312e12, intra=_link(300, 5), inter=_link(25, 10), efficiency=0.555,
              reserved=4 * GiB)
 GPUS: dict[str, Cluster] = {
     # NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: 989 TFLOPS dense BF16 (1,979
