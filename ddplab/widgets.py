@@ -80,6 +80,7 @@ class CollectiveExplorer(widgets.VBox):
         self.code = widgets.HTML()
         # A VBox stretches its children to its width; the picture keeps its own size
         # (cells of the same size as in the chapters' figures), shrinking only to fit.
+        # balanced) are kept from it in every plan
         self.image = widgets.Image(format="png", layout=widgets.Layout(
             align_self="flex-start", max_width="100%"))
         self.tensors = widgets.HTML()
@@ -250,7 +251,7 @@ class PlannerExplorer(widgets.VBox):
 
     def __init__(self, model: str = "llama3-70b", gpu: str = "h100", gpus: int = 64,
                  batch: int = 512, **layout) -> None:
-        lay = planner.Layout(**layout)
+        lay = self._base = planner.Layout(**layout)  # fields without a control (sp, fp32,
         narrow, wide = widgets.Layout(width="170px"), widgets.Layout(width="230px")
         drop = widgets.Dropdown
         self.model = drop(options=list(planner.MODELS), value=model, description="model",
@@ -295,10 +296,9 @@ class PlannerExplorer(widgets.VBox):
 
     @property
     def layout_now(self) -> planner.Layout:
-        """The layout the controls show now."""
-        return planner.Layout(self.tp.value, self.pp.value, self.cp.value, self.zero.value,
-                              self.micro_batch.value, self.interleave.value,
-                              self.schedule.value, self.recompute.value)
+        """The layout the controls show now (and the fields without a control, as given)."""
+        return replace(self._base, **{name: getattr(self, name).value
+                                      for name in SETTINGS[4:]})
 
     def update(self) -> planner.Plan:
         """Plan the current settings and redraw."""
@@ -318,13 +318,14 @@ class PlannerExplorer(widgets.VBox):
         if unknown:
             raise ValueError(f"unknown settings {sorted(unknown)}: choose from "
                              f"{', '.join(SETTINGS)}")
+        for name, value in settings.items():  # all checked before any is set
+            if value not in getattr(self, name).options:
+                raise ValueError(f"{name} {value!r}: choose one of "
+                                 f"{list(getattr(self, name).options)}")
         self._holding = True
         try:
             for name, value in settings.items():
-                control = getattr(self, name)
-                if value not in control.options:
-                    raise ValueError(f"{name} {value!r}: choose one of {list(control.options)}")
-                control.value = value
+                getattr(self, name).value = value
         finally:
             self._holding = False
         self.update()

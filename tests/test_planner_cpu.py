@@ -19,6 +19,7 @@ from ddplab.planner import CATEGORIES, Cluster, calibrated, plan
 from ddplab.planning import cpu
 
 SHAPE, BATCH, LAYOUTS = cpu.SHAPE, cpu.BATCH, cpu.layouts(2)
+ROUNDS = 7  # the fastest of 7: a loaded machine only ever adds time
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +51,31 @@ def test_memory_per_rank_is_the_plans_within_5_percent(pool):
 
 @pytest.mark.slow
 def test_step_times_follow_the_plan_within_25_percent(pool):
+    """DP calibrates the time outside the matmuls (`Cluster.vector`; the matmuls' FLOP/s is
+    measured), and the others are predictions. The CPU clock sees neither the messages nor
+    the waiting (gloo works in threads of its own), so the CPU time is checked against the
+    plan's compute; the waiting (wall less CPU) against PP's bubble, loosely: a loaded
+    machine adds to it. α and β are not checked by the CPU clock (their share is 1-3 %)."""
     link = pool.run(cpu.link)[0]
-    got = pool.run(cpu.timing, SHAPE, list(LAYOUTS.values()), BATCH, rounds=3)[0]
+    got = pool.run(cpu.timing, SHAPE, list(LAYOUTS.values()), BATCH, rounds=ROUNDS)[0]
     measured = dict(zip(LAYOUTS, got["seconds"], strict=True))
+    idle = dict(zip(LAYOUTS, got["idle"], strict=True))
     cluster = Cluster.measured(link["alpha"], link["beta"], got["flops"], 1 << 34)
-    cluster = calibrated(plan(SHAPE, cluster, 2, LAYOUTS["DP"], BATCH), measured["DP"])
-    assert 0.3 < cluster.efficiency <= 1  # the matmuls' rate, less what is not a matmul
+    dp = plan(SHAPE, cluster, 2, LAYOUTS["DP"], BATCH)
+    cluster = calibrated(dp, measured["DP"] + dp.time["communication"], what="vector")
+    plans = {name: plan(SHAPE, cluster, 2, layout, BATCH) for name, layout in LAYOUTS.items()}
+    assert plans["DP"].time["compute"] == pytest.approx(measured["DP"])
+    ratios = {name: measured[name] / p.time["compute"] for name, p in plans.items()}
+    print("measured ÷ predicted:", {k: round(v, 2) for k, v in ratios.items()},
+          "idle (ms):", {k: round(v * 1e3, 1) for k, v in idle.items()},
+          "bubble (ms):", round(plans["PP"].time["bubble"] * 1e3, 1))
     for name in ("ZeRO-1", "ZeRO-3", "PP"):
-        p = plan(SHAPE, cluster, 2, LAYOUTS[name], BATCH)
-        # the CPU clock sees no waiting: the plan's compute and communication, no bubble
-        predicted = p.time["compute"] + p.time["communication"]
-        assert measured[name] == pytest.approx(predicted, rel=0.25), (name, measured, predicted)
-    # TP: torch's DTensor layers cost a CPU more than their FLOPs (the norms and residuals
-    # every rank repeats without sequence parallelism, DTensor's dispatch in Python): the
-    # plan is a lower bound, and the miss stays under 2×
-    p = plan(SHAPE, cluster, 2, LAYOUTS["TP"], BATCH)
-    assert p.time["compute"] < measured["TP"] < 2 * p.step
+        assert ratios[name] == pytest.approx(1, abs=0.25), (name, ratios)
+    # TP: the time outside the matmuls, repeated on both ranks without sequence parallelism,
+    # is now predicted; what is left is DTensor's dispatch, a fixed cost a step (about 30 ms
+    # against DP's 10 ms here, the intercept of the step time against the batch size)
+    assert 1 < ratios["TP"] < 1.75, ratios
+    # PP's bubble: the pipeline waits more than DP, by about the planned bubble
+    bubble = plans["PP"].time["bubble"]
+    assert 0.5 * bubble < idle["PP"] - idle["DP"] + plans["DP"].time["communication"] < 3 * bubble, (
+        idle, bubble)

@@ -216,3 +216,11 @@ def test_the_planner_explorer_replans_on_every_change():
         panel.show(dp=2)
     with pytest.raises(ValueError, match="tp 3: choose one of"):
         panel.show(tp=3)
+    before = panel.layout_now
+    with pytest.raises(ValueError, match="tp 3: choose one of"):
+        panel.show(pp=2, tp=3)  # nothing is set when one value is wrong
+    assert panel.layout_now == before
+    kept = PlannerExplorer("llama3-8b", "h100", 8, tp=4, sp=False)  # no control, still used
+    assert kept.layout_now.sp is False and kept.plan.layout.sp is False
+    kept.tp.value = 2
+    assert kept.plan.layout == Layout(tp=2, sp=False)

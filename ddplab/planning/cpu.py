@@ -326,7 +326,10 @@ def timing(shape: Transformer, layouts: list[Layout], batch_size: int, rounds: i
     used (`time.thread_time`): its compute, and the calls it makes, but neither the time
     another process held its core nor the time it waited for a message or for the other
     stage (the bubble). On a machine shared with other work the wall clock measures the
-    load as much as the step; the CPU clock does not, so the checks use it.
+    load as much as the step; the CPU clock does not, so the checks use it. What the CPU
+    clock misses is returned too, as `idle`: the step's wall time less its CPU time (each
+    the slowest rank's; the least of the rounds), the time spent waiting for messages and
+    for the other stage, and whatever the load added that the fastest round still has.
 
     The matmuls: one layer's weights, forward and backward, on the tokens a data-parallel
     rank has (`batch_size` ÷ ranks sequences), on every rank at once, so that the ranks
@@ -339,13 +342,14 @@ def timing(shape: Transformer, layouts: list[Layout], batch_size: int, rounds: i
     pairs, flops = _matmuls(shape, batch_size // world * shape.seq)
     times = [[] for _ in range(len(layouts) + 1)]
 
-    def timed(fn) -> float:
+    def timed(fn) -> tuple[float, float]:
         dist.barrier()
-        start = now()
+        start, wall, cpu = now(), time.perf_counter(), time.thread_time()
         fn()
-        took = torch.tensor(now() - start, dtype=torch.float64)
+        took = torch.tensor([now() - start, time.perf_counter() - wall,
+                             time.thread_time() - cpu], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return took.item()
+        return took[0].item(), took[1].item() - took[2].item()
 
     def step(model, optimizer, inputs, layout) -> None:
         optimizer.zero_grad()
@@ -355,17 +359,20 @@ def timing(shape: Transformer, layouts: list[Layout], batch_size: int, rounds: i
             loss_fn(model(inputs[0]), inputs[1]).backward()
         optimizer.step()
 
+    idle = [[] for _ in layouts]
     for r in range(rounds + 1):  # the first round warms up, untimed
-        took = timed(lambda: [a @ b for a, b in pairs])
+        took, _ = timed(lambda: [a @ b for a, b in pairs])
         if r:
             times[0].append(took)
         for i, (layout, (model, optimizer, data, context)) in enumerate(zip(layouts, built,
                                                                             strict=True)):
             with context():
-                took = timed(lambda: step(model, optimizer, data[r], layout))  # noqa: B023
+                took, waited = timed(lambda: step(model, optimizer, data[r], layout))  # noqa: B023
             if r:
                 times[i + 1].append(took)
-    return {"flops": flops / min(times[0]), "seconds": [min(t) for t in times[1:]]}
+                idle[i].append(waited)
+    return {"flops": flops / min(times[0]), "seconds": [min(t) for t in times[1:]],
+            "idle": [min(t) for t in idle]}
 
 
 def link(sizes: tuple[int, ...] = tuple(1 << k for k in range(10, 23, 2))) -> dict:

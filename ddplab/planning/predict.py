@@ -39,6 +39,7 @@ class Plan:
     exposed: dict[str, float] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     stages: list[int] = field(default_factory=list)
+    elements: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -132,8 +133,9 @@ def stages(layers: int, pp: int, layer: float, logit: float, balanced: bool = Tr
     """Whole layers on each of `pp` stages, first to last; the last also runs the logit
     layer (`logit`, in the units of `layer`). Balanced: the split whose slowest stage is
     fastest, moving whole layers off the last stage and, of the rest, the odd ones off the
-    first (which holds the most micro-batches in flight under 1F1B: Llama 3 takes one layer
-    off each end). A real split has no fractions: 80 layers on 16 stages leave the last
+    first (which holds the most micro-batches in flight under 1F1B); of equally fast splits,
+    the one with the fewest layers on the first stage (Llama 3 405B's 126 layers on 16
+    stages: 7, 8 × 14, 7, one layer off each end). A real split has no fractions: 80 layers on 16 stages leave the last
     stage 5 layers and the logit layer, or another stage 6. Not balanced: equal stages (the
     first ones take the remainder), the logit layer added to the last (the kit's pipeline
     by hand). Interleaving is split at the same granularity, per GPU."""
@@ -147,7 +149,8 @@ def stages(layers: int, pp: int, layer: float, logit: float, balanced: bool = Tr
         q, r = divmod(layers - k, pp - 1)
         split = [q] * (pp - 1 - r) + [q + 1] * r + [k]
         slowest = max(max(split[:-1]) * layer, k * layer + logit)
-        if not best or slowest < cost * (1 - 1e-9):
+        tie = best and abs(slowest - cost) <= 1e-9 * cost and split[0] < best[0]
+        if not best or slowest < cost * (1 - 1e-9) or tie:  # a tie: the lighter first
             best, cost = split, slowest
     return best
 
@@ -236,6 +239,13 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
                   for i, n in enumerate(counts)) * lay.pp / hw
     tokens = batch * m.seq
     compute = tokens * hw / gpus * slowest / rate
+    # What is not a matmul (norms, residuals, activations, softmax) on the slowest stage's
+    # tokens: split by CP and by TP only with sequence parallelism (without it every TP
+    # rank repeats the norms and residuals for the whole sequence); full recomputation
+    # runs the forward's share (a third) again.
+    out.elements = (tokens / dp / lay.cp * m.hidden * per_stage / (lay.tp if lay.sp else 1)
+                    * (4 / 3 if lay.recompute == "full" else 1))
+    compute += c.vector * out.elements
     per_mb = compute / mbs
 
     # Communication, each group on the link it spans (ranks ordered TP, CP, PP, DP).
@@ -367,19 +377,35 @@ def with_efficiency(cluster: Cluster, efficiency: float) -> Cluster:
     return replace(cluster, efficiency=efficiency)
 
 
-def calibrated(p: Plan, seconds: float) -> Cluster:
-    """`p`'s cluster with the efficiency at which `p`'s step takes the `seconds` measured:
-    its compute and bubble (which scale with 1/efficiency) stretched or shrunk to fill
-    what its communication leaves. One measured layout calibrates; the others are then
-    predictions to check (the GPUs' efficiencies are set the same way, on published
-    runs)."""
+def calibrated(p: Plan, seconds: float, what: str = "efficiency") -> Cluster:
+    """`p`'s cluster with one number fitted so that `p`'s step takes the `seconds` measured.
+    One measured layout calibrates; the others are then predictions to check.
+
+    `what` "efficiency": the fraction of peak at which its compute and bubble (which scale
+    with 1/efficiency) fill what its communication leaves (how the GPUs' efficiencies are
+    set, on published runs). "vector": the cluster's FLOP/s kept (measured on matmuls) and
+    the time outside the matmuls, `Cluster.vector`, fitted to what the matmuls leave: a
+    second term that does not scale with the FLOPs, so that a layout that repeats the
+    norms (TP without sequence parallelism) is predicted rather than fitted. A step
+    without a bubble only: the CPU clock that times it sees no waiting."""
     if not p.time:
         raise ValueError("calibrated needs a plan with times (a valid layout)")
-    scaled = p.time["compute"] + p.time["bubble"]
+    if what not in ("efficiency", "vector"):
+        raise ValueError(f"calibrated {what!r}: choose 'efficiency' or 'vector'")
     left = seconds - p.time["communication"]
     if left <= 0:
         raise ValueError(f"{seconds} s measured is no more than the plan's communication "
                          f"alone ({p.time['communication']:.3g} s): nothing to calibrate")
+    if what == "vector":
+        if p.time["bubble"] or not p.elements:
+            raise ValueError("calibrate the vector term on a layout without a pipeline")
+        matmuls = p.time["compute"] - p.cluster.vector * p.elements
+        if left <= matmuls:
+            raise ValueError(f"the step measured ({seconds:.3g} s) leaves nothing beyond its "
+                             f"matmuls ({matmuls:.3g} s at the cluster's FLOP/s)")
+        return replace(p.cluster, vector=(left - matmuls) / p.elements)
+    scaled = p.time["compute"] - p.cluster.vector * p.elements + p.time["bubble"]
+    left -= p.cluster.vector * p.elements
     efficiency = p.cluster.efficiency * scaled / left
     if efficiency > 1:
         raise ValueError(f"the step measured ({seconds:.3g} s) is faster than its FLOPs at "

@@ -122,7 +122,11 @@ class Cluster:
     """One GPU type and its links. `flops`: peak dense bf16 FLOP/s; `memory`: bytes;
     `intra`, `inter`: the α–β model of a link inside a node (NVLink) and between nodes
     (each GPU's own NIC), per direction; `efficiency`: the fraction of `flops` that a
-    transformer's kernels sustain; `reserved`: bytes no layout can use."""
+    transformer's kernels sustain; `reserved`: bytes no layout can use; `vector`: seconds
+    a layer spends outside its matmuls per token and hidden unit, forward and backward
+    (norms, residual adds, activation functions, softmax: memory-bound work that grows with
+    the activations, not the FLOPs; 0 for the GPU presets, whose efficiency folds it in,
+    calibrated on one measured step for a machine: `calibrated(..., what="vector")`)."""
 
     name: str
     flops: float
@@ -133,6 +137,7 @@ class Cluster:
     efficiency: float = 1.0
     reserved: float = 0.0
     source: str = ""
+    vector: float = 0.0
 
     @classmethod
     def measured(cls, alpha: float, beta: float, flops: float, memory: float,
