@@ -74,8 +74,9 @@ def test_step_times_follow_the_plan_within_25_percent(pool):
     # TP: the time outside the matmuls, repeated on both ranks without sequence parallelism,
     # is now predicted; what is left is DTensor's dispatch, a fixed cost a step (about 30 ms
     # against DP's 10 ms here, the intercept of the step time against the batch size)
-    assert 1 < ratios["TP"] < 1.75, ratios
-    # PP's bubble: the pipeline waits more than DP, by about the planned bubble
+    assert 0.9 < ratios["TP"] < 1.6, ratios
+    # PP's bubble: the pipeline waits more than DP (whose waiting is its communication and
+    # the load), by about the planned bubble; loosely, since the load varies between steps
     bubble = plans["PP"].time["bubble"]
-    assert 0.5 * bubble < idle["PP"] - idle["DP"] + plans["DP"].time["communication"] < 3 * bubble, (
-        idle, bubble)
+    waited = idle["PP"] - idle["DP"] + plans["DP"].time["communication"]
+    assert 0.25 * bubble < waited < 4 * bubble, (idle, bubble)
