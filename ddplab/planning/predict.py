@@ -136,9 +136,9 @@ def stages(layers: int, pp: int, layer: float, logit: float, balanced: bool = Tr
     first (which holds the most micro-batches in flight under 1F1B); of equally fast splits,
     the one with the fewest layers on the first stage (Llama 3 405B's 126 layers on 16
     stages: 7, 8 × 14, 7, one layer off each end). A real split has no fractions: 80
-    layers on 16 stages leave the last stage 5 layers and the logit layer, or another 6. Not balanced: equal stages (the
-    first ones take the remainder), the logit layer added to the last (the kit's pipeline
-    by hand). Interleaving is split at the same granularity, per GPU."""
+    layers on 16 stages leave the last stage 5 layers and the logit layer, or another 6.
+    Not balanced: equal stages (the first ones take the remainder), the logit layer added
+    to the last (the kit's pipeline by hand). Interleaving is split at the same granularity, per GPU."""
     if pp == 1:
         return [layers]
     if not balanced:
