@@ -138,7 +138,7 @@ def stages(layers: int, pp: int, layer: float, logit: float, balanced: bool = Tr
     stages: 7, 8 × 14, 7, one layer off each end). A real split has no fractions: 80
     layers on 16 stages leave the last stage 5 layers and the logit layer, or another 6.
     Not balanced: equal stages (the first ones take the remainder), the logit layer added
-    to the last (the kit's pipeline by hand). Interleaving is split at the same granularity, per GPU."""
+    to the last (the kit's pipeline by hand). Interleaving: the same split, per GPU."""
     if pp == 1:
         return [layers]
     if not balanced:
