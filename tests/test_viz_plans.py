@@ -42,3 +42,19 @@ def test_bad_input_is_named():
         viz.show_plan([])
     with pytest.raises(ValueError, match="2 labels for 3 plans"):
         viz.show_plan(_plans(), labels=["a", "b"])
+
+
+def test_bars_with_a_reference_line_and_band():
+    """Chapter 10d's measured ÷ predicted bars: the prediction (1) as a dashed line, the
+    check's ±25 % shaded, and a bar beyond the band still drawn to scale."""
+    from ddplab import viz
+
+    figure = viz.show_bars([("DP", 1.0), ("TP", 1.4)], reference=1, band=0.25,
+                           reference_label="predicted, ±25 %")
+    ax = figure.axes[0]
+    assert [line.get_linestyle() for line in ax.lines] == ["--"]
+    texts = [t.get_text() for t in ax.texts]
+    assert "predicted, ±25 %" in texts
+    assert figure.get_figwidth() * figure.dpi <= 1000
+    with pytest.raises(ValueError, match="band"):
+        viz.show_bars([("DP", 1.0)], band=0.25)
