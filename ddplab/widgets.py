@@ -305,7 +305,7 @@ class PlannerExplorer(widgets.VBox):
         self.plan = planner.plan(planner.MODELS[self.model.value],
                                  planner.GPUS[self.gpu.value], self.gpus.value,
                                  self.layout_now, self.batch.value)
-        figure = show_plan(self.plan.as_dict())
+        figure = show_plan(self.plan.as_dict(), title=self._title)
         self.image.value = png_bytes(figure)
         self.image.width = str(screen_size(figure)[0])
         self.text.value = f"<pre>{html.escape(self.plan.table())}</pre>"
@@ -329,7 +329,12 @@ class PlannerExplorer(widgets.VBox):
         finally:
             self._holding = False
         self.update()
-        return show_plan(self.plan.as_dict())
+        return show_plan(self.plan.as_dict(), title=self._title)
+
+    @property
+    def _title(self) -> str:
+        p = self.plan
+        return f"{p.model.name} on {p.gpus} × {p.cluster.name}, batch {p.batch}"
 
     def _changed(self, change: dict) -> None:
         if not self._holding:
