@@ -18,6 +18,8 @@ from ddplab import Pool
 from ddplab.planner import CATEGORIES, Cluster, calibrated, plan
 from ddplab.planning import cpu
 
+pytestmark = pytest.mark.slow  # a pool and seven timed rounds: not for `make quick`
+
 SHAPE, BATCH, LAYOUTS = cpu.SHAPE, cpu.BATCH, cpu.layouts(2)
 ROUNDS = 7  # the fastest of 7: a loaded machine only ever adds time
 
@@ -35,7 +37,6 @@ def test_the_cpu_model_has_the_planners_parameters():
                                                       "head"]
 
 
-@pytest.mark.slow
 def test_memory_per_rank_is_the_plans_within_5_percent(pool):
     cluster = Cluster.measured(1e-5, 1e-9, 1e10, 1 << 34)
     for name, layout in LAYOUTS.items():
@@ -49,13 +50,12 @@ def test_memory_per_rank_is_the_plans_within_5_percent(pool):
             assert measured >= p.memory[category] * 0.999, (name, category)  # never below
 
 
-@pytest.mark.slow
 def test_step_times_follow_the_plan_within_25_percent(pool):
     """DP calibrates the time outside the matmuls (`Cluster.vector`; the matmuls' FLOP/s is
     measured), and the others are predictions. The CPU clock sees neither the messages nor
     the waiting (gloo works in threads of its own), so the CPU time is checked against the
-    plan's compute; the waiting (wall less CPU) against PP's bubble, loosely: a loaded
-    machine adds to it. α and β are not checked by the CPU clock (their share is 1-3 %)."""
+    plan's compute; PP's waiting (wall less CPU) against its bubble, loosely: a loaded
+    machine adds to it. α and β are not checked (communication is 1-3 % of each plan)."""
     link = pool.run(cpu.link)[0]
     got = pool.run(cpu.timing, SHAPE, list(LAYOUTS.values()), BATCH, rounds=ROUNDS)[0]
     measured = dict(zip(LAYOUTS, got["seconds"], strict=True))
@@ -74,9 +74,10 @@ def test_step_times_follow_the_plan_within_25_percent(pool):
     # TP: the time outside the matmuls, repeated on both ranks without sequence parallelism,
     # is now predicted; what is left is DTensor's dispatch, a fixed cost a step (about 30 ms
     # against DP's 10 ms here, the intercept of the step time against the batch size)
-    assert 0.9 < ratios["TP"] < 1.6, ratios
-    # PP's bubble: the pipeline waits more than DP (whose waiting is its communication and
-    # the load), by about the planned bubble; loosely, since the load varies between steps
+    assert 0.9 < ratios["TP"] < 1.7, ratios
+    # PP's bubble: the slowest stage waits for the other's first forward and last backward,
+    # (p − 1)/m of the work; on 2 ranks PP has no gradient all-reduce to wait for. The load
+    # only adds waiting, so the lower bound is firm; the upper one is loose, by DP's waiting
+    # in the same rounds (its all-reduce and the load)
     bubble = plans["PP"].time["bubble"]
-    waited = idle["PP"] - idle["DP"] + plans["DP"].time["communication"]
-    assert 0.25 * bubble < waited < 4 * bubble, (idle, bubble)
+    assert 0.5 * bubble < idle["PP"] < 2 * bubble + idle["DP"], (idle, bubble)
