@@ -41,6 +41,14 @@ formula leaves out. The formulas:
   micro-batch and virtual stage each way, are counted in full: they are small.
 - **Pipeline bubble** = (p − 1)/(v·m) of the pipelined work, for p stages, m micro-batches
   and v virtual stages per GPU (Narayanan et al. 2021, section 2.2).
+- **Stages are whole layers** (`ddplab.planning.predict.stages`): the last stage also runs
+  the logit layer, so whole layers move off it until the slowest stage is fastest; memory
+  is that of the stage that holds most under the same split. No fraction of a layer moves:
+  80 layers on 16 stages leave some stage 6 layers' work where the average is 5.06.
+- **Outside the matmuls** (norms, residual additions, activations, softmax): for a measured
+  cluster, `Cluster.vector` seconds per token and hidden unit a layer, calibrated on one
+  measured step (`calibrated(..., what="vector")`) and divided by TP only with sequence
+  parallelism; the GPU presets fold it into their efficiency (it is 0 there).
 
 Parameters, gradients and optimizer state follow the mixed-precision Adam accounting of
 ZeRO (Rajbhandari et al. 2020): 2Ψ bf16 parameters, 2Ψ bf16 gradients, 12Ψ fp32 master
@@ -48,9 +56,9 @@ weights and Adam moments, sharded by ZeRO stage over the data-parallel ranks (ti
 those ranks hold the same parameters). A fixed `reserved` line (the CUDA context, NCCL's
 buffers, the allocator's fragmentation) sits beside the ledger's four categories.
 
-It leaves out, on purpose: memory-bound kernels (norms, softmax) whose share grows as the
-hidden size shrinks, GEMM efficiency that depends on shape, contention between groups,
-stragglers; `benchmarks/RESULTS.md` shows what that costs against published runs. No torch
+It leaves out, on purpose: for the GPU presets, memory-bound kernels (norms, softmax) whose
+share grows as the hidden size shrinks; GEMM efficiency that depends on shape; contention
+between groups; stragglers; `benchmarks/RESULTS.md` shows what that costs against published runs. No torch
 is imported: `ddplab plan` starts as fast as the package import.
 """
 
