@@ -58,8 +58,8 @@ buffers, the allocator's fragmentation) sits beside the ledger's four categories
 
 It leaves out, on purpose: for the GPU presets, memory-bound kernels (norms, softmax) whose
 share grows as the hidden size shrinks; GEMM efficiency that depends on shape; contention
-between groups; stragglers; `benchmarks/RESULTS.md` shows what that costs against published runs. No torch
-is imported: `ddplab plan` starts as fast as the package import.
+between groups; stragglers. `benchmarks/RESULTS.md` shows what that costs against
+published runs. No torch is imported: `ddplab plan` starts as fast as the package import.
 """
 
 from ddplab.planning.predict import (
