@@ -74,7 +74,7 @@ def test_step_times_follow_the_plan_within_25_percent(pool):
     # TP: the time outside the matmuls, repeated on both ranks without sequence parallelism,
     # is now predicted; what is left is DTensor's dispatch, a fixed cost a step (about 30 ms
     # against DP's 10 ms here, the intercept of the step time against the batch size)
-    assert 0.9 < ratios["TP"] < 1.7, ratios
+    assert 0.9 < ratios["TP"] < 1.8, ratios
     # PP's bubble: the slowest stage waits for the other's first forward and last backward,
     # (p − 1)/m of the work; on 2 ranks PP has no gradient all-reduce to wait for. The load
     # only adds waiting, so the lower bound is firm; the upper one is loose, by DP's waiting
