@@ -325,6 +325,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "(default: none)")
     p.add_argument("--fp32", action="store_true",
                    help="train in fp32 (as the kit's CPU runs) instead of bf16 mixed precision")
+    p.add_argument("--no-sp", action="store_true",
+                   help="TP without sequence parallelism: the norms' activations stay whole "
+                        "on every rank (torch's plain Colwise/RowwiseParallel)")
     p.add_argument("--search", action="store_true",
                    help="try every layout (ignores the layout options) and rank those that fit")
     p.add_argument("--top", type=int, default=5, metavar="N",
@@ -364,7 +367,8 @@ def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
                   else found.table(args.top))
             return 0 if found.plans else 1
         layout = planner.Layout(args.tp, args.pp, args.cp, args.zero, args.micro_batch,
-                                args.interleave, args.schedule, args.recompute, args.fp32)
+                                args.interleave, args.schedule, args.recompute, args.fp32,
+                                sp=not args.no_sp)
         result = planner.plan(model, cluster, args.gpus, layout, batch)
     except ValueError as exc:
         print(f"ddplab plan: {exc}", file=sys.stderr)

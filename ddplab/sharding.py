@@ -68,10 +68,16 @@ class Memory:
 # --- the memory ledger -----------------------------------------------------------------
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose memory this rank holds: a DTensor's local shard (FSDP2), else itself."""
+    """The tensor whose memory this rank holds: a DTensor's local shard (FSDP2, TP), a
+    pending collective's result, else itself."""
     from torch.distributed.tensor import DTensor
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    t = t.to_local() if isinstance(t, DTensor) else t
+    # A collective's result not yet waited for (what tensor parallelism's styles return
+    # from `to_local()`: torch's AsyncCollectiveTensor) is a wrapper without a storage of
+    # its own; the tensor that holds the bytes is its `elem`.
+    inner = getattr(t, "elem", None)
+    return inner if type(t) is not torch.Tensor and isinstance(inner, torch.Tensor) else t
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:

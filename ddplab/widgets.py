@@ -1,8 +1,9 @@
-"""Panels for the live lab: the collective explorer and the ring stepper.
+"""Panels for the live lab: the collective explorer, the ring stepper, the planner.
 
-    from ddplab.widgets import CollectiveExplorer, RingStepper
+    from ddplab.widgets import CollectiveExplorer, PlannerExplorer, RingStepper
     CollectiveExplorer(pool)          # a cell ending with it shows the panel
     RingStepper(4)                    # a slider over the steps of a ring all-reduce
+    PlannerExplorer()                 # `ddplab plan` with a control for every input
 
 Every change of a control runs the real collective on every rank of the pool (a few
 milliseconds on a warm pool) and redraws the before/after picture, so a learner can ask
@@ -24,10 +25,10 @@ from functools import cached_property
 import ipywidgets as widgets
 import torch
 
-from ddplab import collectives, ring
+from ddplab import collectives, planner, ring
 from ddplab.collectives import COLLECTIVES, REDUCE_OPS, REDUCING, ROOTED, VALUES, Spec
 from ddplab.pool import Pool, RankError
-from ddplab.viz import png_bytes, screen_size, show_transfers
+from ddplab.viz import png_bytes, screen_size, show_plan, show_transfers
 
 TIMEOUT = 10.0  # seconds: a collective on a few values takes milliseconds
 
@@ -79,6 +80,7 @@ class CollectiveExplorer(widgets.VBox):
         self.code = widgets.HTML()
         # A VBox stretches its children to its width; the picture keeps its own size
         # (cells of the same size as in the chapters' figures), shrinking only to fit.
+        # balanced) are kept from it in every plan
         self.image = widgets.Image(format="png", layout=widgets.Layout(
             align_self="flex-start", max_width="100%"))
         self.tensors = widgets.HTML()
@@ -232,3 +234,113 @@ class RingStepper(widgets.VBox):
     def __repr__(self) -> str:  # what nbval compares: never widget ids
         return (f"RingStepper({self.world_size} ranks, step {self.step.value} of "
                 f"{len(self.states) - 1})")
+
+
+POWERS = [1 << k for k in range(15)]  # 1 … 16,384
+SETTINGS = ("model", "gpu", "gpus", "batch", "tp", "pp", "cp", "zero", "micro_batch",
+            "interleave", "schedule", "recompute")
+"""`PlannerExplorer`'s controls, by the names `show` takes."""
+
+
+class PlannerExplorer(widgets.VBox):
+    """`ddplab plan` as a panel: a control for the model, the GPU, how many, the global
+    batch and every part of the layout; each change re-plans (arithmetic: microseconds) and
+    redraws memory per GPU by category against the GPU's memory and the step's split, with
+    the reasons a layout cannot run. `show(...)` sets several controls at once and returns
+    the figure, for a fixed picture beside the live panel; `plan` is the current `Plan`."""
+
+    def __init__(self, model: str = "llama3-70b", gpu: str = "h100", gpus: int = 64,
+                 batch: int = 512, **layout) -> None:
+        lay = self._base = planner.Layout(**layout)  # fields without a control (sp, fp32,
+        narrow, wide = widgets.Layout(width="170px"), widgets.Layout(width="230px")
+        drop = widgets.Dropdown
+        self.model = drop(options=list(planner.MODELS), value=model, description="model",
+                          layout=wide)
+        self.gpu = drop(options=list(planner.GPUS), value=gpu, description="GPU",
+                        layout=wide)
+        self.gpus = drop(options=POWERS[3:], value=gpus, description="GPUs", layout=narrow)
+        self.batch = drop(options=POWERS[3:13], value=batch, description="batch",
+                          layout=narrow)
+        self.tp = drop(options=POWERS[:4], value=lay.tp, description="TP", layout=narrow)
+        self.pp = drop(options=POWERS[:8], value=lay.pp, description="PP", layout=narrow)
+        self.cp = drop(options=POWERS[:6], value=lay.cp, description="CP", layout=narrow)
+        self.zero = drop(options=[0, 1, 2, 3], value=lay.zero, description="ZeRO",
+                         layout=narrow)
+        self.micro_batch = drop(options=POWERS[:4], value=lay.micro_batch,
+                                description="micro-batch", layout=narrow)
+        self.interleave = drop(options=POWERS[:4], value=lay.interleave,
+                               description="virtual", layout=narrow)
+        self.schedule = drop(options=planner.SCHEDULES, value=lay.schedule,
+                             description="schedule", layout=narrow)
+        self.recompute = drop(options=planner.RECOMPUTE, value=lay.recompute,
+                              description="recompute", layout=narrow)
+        self.image = widgets.Image(format="png", layout=widgets.Layout(
+            align_self="flex-start", max_width="100%"))
+        self.text = widgets.HTML()
+        self._holding = False
+        self.plan: planner.Plan | None = None
+        for control in self._controls:
+            control.observe(self._changed, names="value")
+        super().__init__([
+            widgets.HBox([self.model, self.gpu, self.gpus, self.batch]),
+            widgets.HBox([self.tp, self.pp, self.cp, self.zero]),
+            widgets.HBox([self.micro_batch, self.interleave, self.schedule, self.recompute]),
+            self.image, self.text,
+        ])
+        self.update()
+
+    @property
+    def _controls(self) -> tuple[widgets.ValueWidget, ...]:
+        return (self.model, self.gpu, self.gpus, self.batch, self.tp, self.pp, self.cp,
+                self.zero, self.micro_batch, self.interleave, self.schedule, self.recompute)
+
+    @property
+    def layout_now(self) -> planner.Layout:
+        """The layout the controls show now (and the fields without a control, as given)."""
+        return replace(self._base, **{name: getattr(self, name).value
+                                      for name in SETTINGS[4:]})
+
+    def update(self) -> planner.Plan:
+        """Plan the current settings and redraw."""
+        self.plan = planner.plan(planner.MODELS[self.model.value],
+                                 planner.GPUS[self.gpu.value], self.gpus.value,
+                                 self.layout_now, self.batch.value)
+        figure = show_plan(self.plan.as_dict(), title=self._title)
+        self.image.value = png_bytes(figure)
+        self.image.width = str(screen_size(figure)[0])
+        self.text.value = f"<pre>{html.escape(self.plan.table())}</pre>"
+        return self.plan
+
+    def show(self, **settings):
+        """Set several controls at once (model, gpu, gpus, batch, tp, pp, cp, zero,
+        micro_batch, interleave, schedule, recompute), plan once, return the figure."""
+        unknown = set(settings) - set(SETTINGS)
+        if unknown:
+            raise ValueError(f"unknown settings {sorted(unknown)}: choose from "
+                             f"{', '.join(SETTINGS)}")
+        for name, value in settings.items():  # all checked before any is set
+            if value not in getattr(self, name).options:
+                raise ValueError(f"{name} {value!r}: choose one of "
+                                 f"{list(getattr(self, name).options)}")
+        self._holding = True
+        try:
+            for name, value in settings.items():
+                getattr(self, name).value = value
+        finally:
+            self._holding = False
+        self.update()
+        return show_plan(self.plan.as_dict(), title=self._title)
+
+    @property
+    def _title(self) -> str:
+        p = self.plan
+        return f"{p.model.name} on {p.gpus} × {p.cluster.name}, batch {p.batch}"
+
+    def _changed(self, change: dict) -> None:
+        if not self._holding:
+            self.update()
+
+    def __repr__(self) -> str:  # what nbval compares: the settings, never widget ids
+        p = self.plan
+        return (f"PlannerExplorer({p.model.name} on {p.gpus} × {p.cluster.name}, batch "
+                f"{p.batch}: {p.layout.describe(p.dp)})")

@@ -156,6 +156,9 @@ FILE_SECONDS = {
     "10c_context_experts_2d.ipynb": 40, "test_ep.py": 60, "test_viz_routing.py": 12,
     # chapter 10b: nbval 21-28 s at load 5 on 2 cores (2026-11-27)
     "10b_pipeline_parallel.ipynb": 30, "test_pp.py": 20, "test_viz_schedules.py": 4,
+    # chapter 10d: single runs on this machine at a load average of 2 to 3 (2026-11-27):
+    # 10d executes in 12 s, nbval 14-19 s; test_planner_cpu 12-16 s
+    "10d_planning.ipynb": 20, "test_planner_cpu.py": 20, "test_viz_plans.py": 5,
 }
 """Each file's test time, in seconds, on a loaded 2-core machine (the whole suite with
 `--durations=0`, 2026-11-27; 6b and the browser test, which need what that machine lacks,

@@ -1,10 +1,11 @@
-"""The collective explorer and the ring stepper in a real JupyterLab, in a real (headless)
-Chromium.
+"""The collective explorer, the ring stepper and the planner in a real JupyterLab, in a real
+(headless) Chromium.
 
 `test_widgets.py` drives the widget objects in-process; this test checks what only a
 browser can: that the lab's front end renders the panels, that choosing a collective in
 the dropdown reaches the kernel, runs on the ranks and comes back as a new picture and new
-tensors, that moving the stepper's slider redraws the ring's step, and that closing the
+tensors, that moving the stepper's slider redraws the ring's step, that choosing another TP
+in the planner's dropdown re-plans and redraws, and that closing the
 lab leaves no rank behind.
 
 It needs Debian's `chromium` and `chromium-driver` (CI's `.ci/run` installs them and sets
@@ -52,6 +53,11 @@ from ddplab.widgets import RingStepper
 
 RingStepper(3)"""
 
+PLANNER = """\
+from ddplab.widgets import PlannerExplorer
+
+PlannerExplorer("llama3-70b", "h100", 64)"""
+
 
 @pytest.fixture
 def lab(tmp_path: Path, start_lab):
@@ -59,7 +65,8 @@ def lab(tmp_path: Path, start_lab):
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL),
-                                         nbformat.v4.new_code_cell(STEPPER)])
+                                         nbformat.v4.new_code_cell(STEPPER),
+                                         nbformat.v4.new_code_cell(PLANNER)])
     nb.metadata["kernelspec"] = {"display_name": "Python 3 (ipykernel)",
                                  "language": "python", "name": "python3"}
     nbformat.write(nb, notebooks / "explorer.ipynb")
@@ -184,15 +191,27 @@ def test_the_explorer_and_the_stepper_work_in_a_real_lab(lab, browser, tmp_path)
 
     # The stepper: the arrow key on its slider moves one step, and the picture follows.
     wait.until(lambda d: "start: each of the 3 ranks" in _caption(d))
-    step_picture = browser.find_elements(By.CSS_SELECTOR, ".jupyter-widgets img")[-1]
+    step_picture = browser.find_elements(By.CSS_SELECTOR, ".jupyter-widgets img")[1]
     start_src = step_picture.get_attribute("src")
     handle = browser.find_elements(By.CSS_SELECTOR, ".widget-slider .noUi-handle")[-1]
     handle.click()
     handle.send_keys(Keys.ARROW_RIGHT)
     wait.until(lambda d: "reduce-scatter 1 of 2" in _caption(d))
-    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jupyter-widgets img")[-1]
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jupyter-widgets img")[1]
                .get_attribute("src") != start_src)
     browser.save_screenshot(str(tmp_path / "stepper.png"))
+
+    # The planner: choosing TP 8 in its dropdown re-plans (DP 64 becomes DP 8) and redraws.
+    wait.until(lambda d: "DP 64, TP 1, PP 1" in _panel_text(d))
+    plan_src = browser.find_elements(By.CSS_SELECTOR, ".jupyter-widgets img")[2] \
+        .get_attribute("src")
+    tp = next(d for d in browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown")
+              if d.text.startswith("TP"))
+    Select(tp.find_element(By.TAG_NAME, "select")).select_by_visible_text("8")
+    wait.until(lambda d: "DP 8, TP 8, PP 1" in _panel_text(d))
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jupyter-widgets img")[2]
+               .get_attribute("src") != plan_src)
+    browser.save_screenshot(str(tmp_path / "planner.png"))
     # ddplab lab's settings: JupyterLab never asks about its news feed (or calls it).
     assert "Jupyter news" not in browser.find_element(By.TAG_NAME, "body").text
 

@@ -1735,12 +1735,90 @@ CHAPTER_10C = [
 ]
 
 
+# --- chapter 10d: typical wrong attempts and the verdict each gets ---
+
+def _state_right(model, layout, gpus, layers=None):
+    """10.6, the rule the planner follows, for the rows below to change one thing each
+    (`layers`: the fullest stage's, ⌈layers / PP⌉ unless given)."""
+    dp = gpus // (layout.tp * layout.pp * layout.cp)
+    layers = -(-model.layers // layout.pp) if layers is None else layers
+    layer = model.layer_matmul_params + 2 * model.hidden
+    ends = (model.embedding_params + model.hidden) if layout.pp == 1 else \
+        model.hidden * model.vocab
+    psi, shard = (layers * layer + ends) / layout.tp, dp * layout.cp
+    return {"parameters": 2 * psi / (shard if layout.zero >= 3 else 1),
+            "gradients": 2 * psi / (shard if layout.zero >= 2 else 1),
+            "optimizer": 12 * psi / (shard if layout.zero >= 1 else 1)}
+
+
+def _state_without_tp(model, layout, gpus):
+    """10.6, wrong: TP forgotten."""
+    return {k: v * layout.tp for k, v in _state_right(model, layout, gpus).items()}
+
+
+def _state_fp32(model, layout, gpus):
+    """10.6, wrong: fp32 Adam's 4 + 4 + 8 bytes."""
+    right = _state_right(model, layout, gpus)
+    return {"parameters": 2 * right["parameters"], "gradients": 2 * right["gradients"],
+            "optimizer": right["optimizer"] * 8 / 12}
+
+
+def _state_even_stages(model, layout, gpus):
+    """10.6, wrong: layers / PP, not whole layers."""
+    return _state_right(model, layout, gpus, layers=model.layers / layout.pp)
+
+
+def _state_grads_not_sharded(model, layout, gpus):
+    """10.6, wrong: ZeRO-2 keeps the gradients whole."""
+    right = _state_right(model, layout, gpus)
+    if layout.zero == 2:
+        right["gradients"] = right["parameters"]
+    return right
+
+
+def _state_zero_over_dp(model, layout, gpus):
+    """10.6, wrong: ZeRO shards over DP only, forgetting the CP ranks."""
+    right = _state_right(model, layout, gpus)
+    for k, stage in (("parameters", 3), ("gradients", 2), ("optimizer", 1)):
+        if layout.zero >= stage:
+            right[k] *= layout.cp
+    return right
+
+
+def _state_both_ends(model, layout, gpus):
+    """10.6, wrong: the embedding and the logit layer both on the fullest stage."""
+    right = _state_right(model, layout, gpus)
+    if layout.pp == 1:
+        return right
+    extra = (model.embedding_params + model.hidden - model.hidden * model.vocab) / layout.tp
+    shard = gpus // (layout.tp * layout.pp * layout.cp) * layout.cp
+    words = {"parameters": (2, 3), "gradients": (2, 2), "optimizer": (12, 1)}
+    return {k: v + words[k][0] * extra / (shard if layout.zero >= words[k][1] else 1)
+            for k, v in right.items()}
+
+
+CHAPTER_10D = [
+    ("10.6", _state_without_tp, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
+     "predicted", "splits every weight matrix"),
+    ("10.6", _state_fp32, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you predicted",
+     "mixed precision"),
+    ("10.6", _state_both_ends, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
+     "predicted", "not both"),
+    ("10.6", _state_even_stages, "for Llama 3 405B on 1,024 GPUs, TP 8, PP 16 (126 layers), "
+     "ZeRO-2, you predicted", "whole layers"),
+    ("10.6", _state_grads_not_sharded, "for Llama 3 405B on 1,024 GPUs, TP 8, PP 16 (126 "
+     "layers), ZeRO-2, you predicted", "ZeRO-2 shards the gradients"),
+    ("10.6", _state_zero_over_dp, "for Llama 3 70B on 64 GPUs, TP 4, CP 2, ZeRO-1, you "
+     "predicted", "DP × CP"),
+]
+
+
 # Each row: the exercise, a wrong attempt, how its verdict starts, what its hint says.
 @pytest.mark.parametrize("exercise_id, attempt, message, hint",
                          CHAPTER_0 + CHAPTER_1 + CHAPTER_2 + CHAPTER_3 + CHAPTER_4A
                          + CHAPTER_4B + CHAPTER_5 + CHAPTER_6
                          + CHAPTER_7 + CHAPTER_8 + CHAPTER_9 + CHAPTER_9B
-                         + CHAPTER_10A + CHAPTER_10B + CHAPTER_10C)
+                         + CHAPTER_10A + CHAPTER_10B + CHAPTER_10C + CHAPTER_10D)
 def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, hint):
     feedback = check(exercise_id, attempt)
     assert not feedback.passed

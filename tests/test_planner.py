@@ -4,7 +4,6 @@ and the published runs of benchmarks/planner_vs_published.py. Pure arithmetic: s
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import subprocess
@@ -22,12 +21,9 @@ GiB = 1 << 30
 
 
 def _published():
-    spec = importlib.util.spec_from_file_location(
-        "planner_vs_published", ROOT / "benchmarks" / "planner_vs_published.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    from ddplab.planning import published
+
+    return published
 
 
 def _gpt(layers=24, hidden=2304, heads=24, vocab=51200, seq=2048) -> Transformer:
@@ -64,6 +60,10 @@ def test_activations_are_korthikanti_et_al_s_table_2() -> None:
     assert m.activation_bytes(b, t) == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t)
     assert m.activation_bytes(b, t, recompute="selective") == pytest.approx(34 * s * b * h / t)
     assert m.activation_bytes(b, t, recompute="full") == pytest.approx(2 * s * b * h / t)
+    # without sequence parallelism: sbh(10 + 24/t + 5as/ht), their "tensor parallel" row
+    assert m.activation_bytes(b, t, sp=False) == pytest.approx(
+        s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert m.activation_bytes(b, t, recompute="full", sp=False) == pytest.approx(2 * s * b * h)
     # Llama: no dropout, K and V a quarter as wide, three FFN-wide tensors
     llama = MODELS["llama3-8b"]
     per_sbh = (2 + 2 + 4 * 8 / 32 + 2) + (2 + 2 * 3 * 14336 / 4096) + 4
@@ -77,7 +77,7 @@ def test_memory_for_a_layout_by_hand() -> None:
     p = plan(m, GPUS["h100"], 8, Layout(zero=1, recompute="selective"), 64)
     psi = m.params
     layer = 8192 * 4096 * 34  # bytes: per_sbh = 34 for Llama 3 8B (see above)
-    logits = 4 * 8192 * 128256
+    logits = 4 * 8192 * 128256 + 2 * 2 * 8192 * 4096  # + the final norm's input and output
     assert p.memory == pytest.approx({
         "parameters": 2 * psi, "gradients": 2 * psi, "optimizer": 12 * psi / 8,
         "activations": 32 * layer + logits, "reserved": 4 * GiB})
@@ -190,9 +190,41 @@ def test_published_runs_within_15_percent_but_the_documented_miss() -> None:
         assert GPUS[runs[0].gpu].efficiency == pytest.approx(fitted, abs=0.01)
 
 
+def test_held_out_the_efficiency_still_predicts() -> None:
+    """The efficiencies were fitted on the rows they are checked against; held out, they
+    still predict: each row with the efficiency fitted on the others of its GPU type (the
+    same miss, 1.7B, now +23 %, with 3.6B at +16 % and the two largest at −16 %: one
+    efficiency per GPU cannot follow kernels that run nearer their peak as the matrices
+    grow, and whole-layer stages no longer flatter the deepest pipelines), and each paper
+    with the other paper's efficiency: Llama 3's H100 runs from Megatron-LM's A100 runs
+    within 10 %, Megatron-LM's from Llama 3's but its two smallest models (+27 %, +20 %:
+    the same kernels further from peak)."""
+    published = _published()
+
+    def misses(rows):
+        return {run.source: round(got / run.tflops, 2) for run, _, got in rows
+                if abs(got / run.tflops - 1) > published.TOLERANCE}
+
+    assert misses(published.held_out()) == {
+        "Megatron-LM, Table 1: 1.7B": 1.23, "Megatron-LM, Table 1: 3.6B": 1.16,
+        "Megatron-LM, Table 1: 529.6B": 0.84, "Megatron-LM, Table 1: 1008.0B": 0.84}
+    crossed = published.crossed()
+    assert misses(crossed) == {"Megatron-LM, Table 1: 1.7B": 1.27,
+                               "Megatron-LM, Table 1: 3.6B": 1.2}
+    assert all(0.9 <= got / run.tflops <= 1 for run, _, got in crossed[:3])  # Llama 3
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ddplab", "plan", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
+
+
+def test_cli_plans_tp_without_sequence_parallelism() -> None:
+    with_sp = json.loads(_cli("--model", "llama3-8b", "--tp", "4", "--json").stdout)
+    without = json.loads(_cli("--model", "llama3-8b", "--tp", "4", "--no-sp", "--json").stdout)
+    assert without["layout"]["sp"] is False and with_sp["layout"]["sp"] is True
+    assert without["memory_bytes"]["activations"] > with_sp["memory_bytes"]["activations"]
+    assert without["memory_bytes"]["parameters"] == with_sp["memory_bytes"]["parameters"]
 
 
 def test_cli_json_round_trip() -> None:
@@ -246,7 +278,9 @@ def test_presets_cite_their_sources_and_fit_their_datasheets() -> None:
 
 
 def test_planning_imports_no_torch() -> None:
-    code = ("import sys, ddplab.planner, ddplab.cli; "
+    # ddplab/planner.py is the interface the issue names: a module, not a package.
+    assert (ROOT / "ddplab" / "planner.py").is_file()
+    code = ("import sys, ddplab.planner, ddplab.planning.published, ddplab.cli; "
             "ddplab.cli.main(['plan', '--json']) ; print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
@@ -261,3 +295,21 @@ def test_what_if_keeps_the_preset() -> None:
     b = plan(MODELS["llama3-8b"], slower, 8, Layout(zero=3, recompute="full"), 64)
     assert b.time["compute"] == pytest.approx(a.time["compute"] * 2, rel=1e-9)
     assert dataclasses.asdict(a.layout) == dataclasses.asdict(b.layout)
+
+
+def test_pipeline_stages_are_whole_layers() -> None:
+    """A split that can be built: 80 layers on 16 stages leave the last stage 5 layers and
+    the logit layer, or some stage 6 (no fractions of a layer); Llama 3 405B's 126 layers
+    on 16 stages take layers off the last; compute and memory use the same split."""
+    from ddplab.planning.predict import stages
+    assert stages(80, 16, 1.0, 1.2) == [5] * 10 + [6] * 5 + [0]
+    assert stages(80, 16, 1.0, 0.2) == [5] * 16
+    assert stages(80, 16, 1.0, 1.2, balanced=False) == [5] * 16
+    assert stages(7, 2, 1.0, 0.5, balanced=False) == [4, 3]
+    assert sum(stages(126, 16, 1.0, 1.0)) == 126 and stages(3, 1, 1.0, 1.0) == [3]
+    p = plan(MODELS["llama3-70b"], GPUS["h100"], 64,
+             Layout(tp=2, pp=16, cp=2, zero=2, recompute="selective"), 512)
+    assert sum(p.stages) == 80 and max(p.stages) == 6
+    whole = plan(MODELS["llama3-70b"], GPUS["h100"], 64,
+                 Layout(tp=2, pp=16, cp=2, zero=2, recompute="selective", balanced=False), 512)
+    assert p.time["compute"] <= whole.time["compute"]

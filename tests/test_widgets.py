@@ -189,3 +189,38 @@ def test_the_ring_stepper_refuses_sizes_it_cannot_draw(bad):
         RingStepper(bad)
     with pytest.raises(ValueError, match="choose 0 to 2"):
         RingStepper(2).show(3)
+
+
+def test_the_planner_explorer_replans_on_every_change():
+    from ddplab.planner import GPUS, MODELS, Layout, plan
+    from ddplab.widgets import SETTINGS, PlannerExplorer
+
+    panel = PlannerExplorer("llama3-70b", "h100", 64)
+    assert repr(panel) == ("PlannerExplorer(Llama 3 70B on 64 × H100 SXM 80GB, batch 512: "
+                           "DP 64, TP 1, PP 1, CP 1, ZeRO-0, micro-batch 1, recompute none)")
+    assert panel.plan.reasons == ["needs 1867 GiB, has 80"]
+    assert "needs 1867 GiB, has 80" in panel.text.value
+    first = panel.image.value
+    panel.tp.value = 8  # one control: re-planned and redrawn
+    assert panel.plan.dp == 8 and panel.image.value != first
+    figure = panel.show(pp=4, zero=1, recompute="selective")
+    assert figure.get_figwidth() * figure.dpi <= 1000
+    assert panel.plan.as_dict() == plan(MODELS["llama3-70b"], GPUS["h100"], 64, Layout(
+        tp=8, pp=4, zero=1, recompute="selective"), 512).as_dict()
+    assert panel.plan.feasible and "MFU" in panel.text.value
+    panel.show(model="llama3-8b", tp=4, gpus=8)  # heads divide, so the layout only moves
+    assert panel.plan.dp == 1 and panel.plan.model.name == "Llama 3 8B"
+    assert set(SETTINGS) == {"model", "gpu", "gpus", "batch", "tp", "pp", "cp", "zero",
+                             "micro_batch", "interleave", "schedule", "recompute"}
+    with pytest.raises(ValueError, match=r"unknown settings \['dp'\]: choose from model"):
+        panel.show(dp=2)
+    with pytest.raises(ValueError, match="tp 3: choose one of"):
+        panel.show(tp=3)
+    before = panel.layout_now
+    with pytest.raises(ValueError, match="tp 3: choose one of"):
+        panel.show(pp=2, tp=3)  # nothing is set when one value is wrong
+    assert panel.layout_now == before
+    kept = PlannerExplorer("llama3-8b", "h100", 8, tp=4, sp=False)  # no control, still used
+    assert kept.layout_now.sp is False and kept.plan.layout.sp is False
+    kept.tp.value = 2
+    assert kept.plan.layout == Layout(tp=2, sp=False)

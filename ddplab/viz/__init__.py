@@ -46,7 +46,10 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
   each rank to the experts (and to "dropped"); `show_expert_load`, rows per expert from
   each rank against the capacity, the dropped ones hatched;
 - links (`links`): `show_group_traffic`, the ranks of a 2-D mesh joined by the process
-  groups recorded calls ran on, each link labelled with its calls and bytes sent.
+  groups recorded calls ran on, each link labelled with its calls and bytes sent;
+- plans (`plans`): `show_plan`, the planner's prediction for one layout or several: memory
+  per GPU by category against the GPU's memory, the step split into compute, exposed
+  communication and bubble.
 
 They all draw with the shared primitives: the palette (`palette`: a colour always means a
 rank), what a cell holds (`cells`), the canvas (`canvas`: inches, panels, arrows, legends)
@@ -69,6 +72,7 @@ from ddplab.viz.links import show_group_traffic
 from ddplab.viz.memory import show_memory, show_memory_breakdown
 from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color, text_color, tint
 from ddplab.viz.placements import show_tp_flow
+from ddplab.viz.plans import show_plan
 from ddplab.viz.png import png_bytes, screen_size
 from ddplab.viz.routing import show_expert_load, show_routing
 from ddplab.viz.schedules import idle_share, show_schedule
@@ -108,7 +112,7 @@ __all__ = [
     "show_digits", "show_dtensor", "show_expert_load",
     "show_flight", "show_group_traffic", "show_inbox", "show_launch", "show_leftover",
     "show_memory", "show_memory_breakdown", "show_mesh", "show_nesting", "show_overlap",
-    "show_ranks", "show_rendezvous", "show_ring", "show_routing", "show_sampler",
-    "show_schedule", "show_shards", "show_steps", "show_store", "show_timeline",
-    "show_tp_flow", "show_transfers", "text_color", "tint",
+    "show_plan", "show_ranks", "show_rendezvous", "show_ring", "show_routing",
+    "show_sampler", "show_schedule", "show_shards", "show_steps", "show_store",
+    "show_timeline", "show_tp_flow", "show_transfers", "text_color", "tint",
 ]

@@ -24,13 +24,18 @@ MIN_BAR = 3.5  # inches: the longest bar is never shorter, so ratios stay easy t
 
 def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
               notes: Sequence[str] | None = None, colors: Sequence[str | None] | None = None,
-              title: str | None = None) -> Figure:
+              title: str | None = None, reference: float | None = None,
+              band: float = 0.0, reference_label: str = "") -> Figure:
     """Measured quantities side by side: one horizontal bar per (label, value), to scale.
 
     Each bar has its value (with `unit`) written at its end, then its note (a speedup, a
     ratio) if `notes` gives one. `colors` picks each bar's colour (a rank's colour says
     that bar is that rank's work); None or a missing colour is the neutral grey.
+    `reference`: a dashed line across the bars at that value (a prediction, a target),
+    with a shaded band of ± `band` (a fraction) around it and `reference_label` under it.
     """
+    if band < 0 or (band and reference is None):
+        raise ValueError(f"band {band}: a fraction of a reference, 0 or more")
     if not values:
         raise ValueError("no values to draw")
     if any(v < 0 for _, v in values):
@@ -48,10 +53,22 @@ def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
     top = 0.2 + (0.35 if title else 0)
     length = min(6.0, MAX_WIDTH - left - right)
     width = max(left + length + right, title_width(title))
-    height = top + row * len(values) + 0.2
+    foot = 0.3 if reference is not None else 0
+    height = top + row * len(values) + 0.2 + foot
     canvas = Canvas(width, height, CELL, title)
     ax = canvas.ax
-    scale = length / max(max(v for _, v in values), 1e-12)
+    reach = reference * (1 + band) if reference is not None else 0
+    scale = length / max(max(v for _, v in values), reach, 1e-12)
+    if reference is not None:
+        bottom, span = 0.2 + foot, row * len(values)
+        if band:
+            ax.add_patch(Rectangle((left + reference * (1 - band) * scale, bottom),
+                                   2 * band * reference * scale, span, fc="#e8e8e8",
+                                   ec="none", zorder=0))
+        x = left + reference * scale
+        ax.plot([x, x], [bottom, bottom + span], color="#333333", lw=1, ls="--", zorder=3)
+        ax.text(x, bottom - 0.08, reference_label or amount(reference), ha="center",
+                va="top", fontsize=FONT)
     for i, ((_, value), label) in enumerate(zip(values, labels, strict=True)):
         y = height - top - (i + 1) * row
         color = colors[i] if i < len(colors) and colors[i] else "#999999"

@@ -5,6 +5,8 @@ One function per exercise, named as the exercise's `solution`; `tests/test_exerc
 checks that each passes `check("10.N", ...)`. Learners: try first, then compare.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -130,3 +132,23 @@ def route_tokens(tokens, expert, num_experts):
                            input_split_sizes=counts.view(world, per_rank).sum(1).tolist())
     local = torch.arange(per_rank).repeat(world).repeat_interleave(counts_in)
     return out[torch.argsort(local, stable=True)]
+
+
+# --- 10.6 the model's state on one GPU of a layout ---
+
+
+def model_state_bytes(model, layout, gpus):
+    """10.6: the fullest pipeline stage holds ⌈layers / PP⌉ layers and one end (the
+    embedding or the logit layer; with one stage, both and the final norm), split TP ways;
+    ZeRO then shards over the DP × CP ranks that hold the same parameters. bf16 weights
+    and gradients, 12 bytes of fp32 master weights and Adam moments."""
+    dp = gpus // (layout.tp * layout.pp * layout.cp)
+    layers = math.ceil(model.layers / layout.pp)
+    layer = model.layer_matmul_params + 2 * model.hidden  # matmuls and two norms' weights
+    ends = (model.embedding_params + model.hidden if layout.pp == 1  # both ends, final norm
+            else model.hidden * model.vocab)
+    psi = (layers * layer + ends) / layout.tp
+    shard = dp * layout.cp
+    return {"parameters": 2 * psi / (shard if layout.zero >= 3 else 1),
+            "gradients": 2 * psi / (shard if layout.zero >= 2 else 1),
+            "optimizer": 12 * psi / (shard if layout.zero >= 1 else 1)}

@@ -1,0 +1,179 @@
+"""Plans: what the planner (`ddplab.planner`) predicts for a layout, drawn (chapter 10d).
+
+`show_plan` draws one row per layout, two bars a row, each to one scale over all rows:
+
+- **memory per GPU**, stacked by the ledger's categories (parameters, gradients, optimizer
+  states, activations) and the line the planner keeps beside them (reserved), against the
+  GPU's memory: a black line where the GPU ends, the bar and its total in red when the
+  layout does not fit;
+- **the step**, split into compute, exposed communication (one part per parallelism that
+  exposes any: TP, CP, PP, DP) and the pipeline bubble, with its length written after it.
+
+A plan is one GPU of many, not a rank of a pool, so its bars are in the neutral grey of a
+prediction (the palette keeps colours for ranks), its parts told apart by the shades and
+hatches of chapter 9's memory bars. Plans come in as plain data, `Plan.as_dict()` (what
+`ddplab plan --json` prints): no planner import, no torch. A picture's size follows its
+rows and labels, never the numbers (nbval compares figure sizes).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Mapping, Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, amount, text_inches, title_width
+from ddplab.viz.memory import PREDICTED, STYLES
+from ddplab.viz.palette import line_color, tint
+
+OVER = "#B00020"
+"""The red of a layout that needs more memory than the GPU has."""
+STEP_PARTS = ("compute", "TP", "CP", "PP", "DP", "bubble")
+"""The step's parts in the order drawn: compute, then each parallelism's exposed
+communication, then the bubble."""
+GIB = 2**30
+
+
+def _seconds(t: float) -> str:
+    return f"{amount(t)} s" if t >= 1 else f"{amount(t * 1e3)} ms"
+
+
+def _check(plan: Mapping, k: int) -> None:
+    if not isinstance(plan, Mapping) or "memory_bytes" not in plan or "cluster" not in plan:
+        raise ValueError(f"plan {k}: give Plan.as_dict() (what `ddplab plan --json` prints), "
+                         f"got {type(plan).__name__}")
+
+
+def _parts(ax, x: float, y: float, h: float, values: Sequence[tuple[str, float]],
+           order: Sequence[str], scale: float, color: str) -> float:
+    """A stacked bar of `values` from (x, y), each part styled by its place in `order`."""
+    start = x
+    for name, value in values:
+        w = value * scale
+        if w <= 0:
+            continue
+        shade, hatch = STYLES[order.index(name) % len(STYLES)]
+        ax.add_patch(Rectangle((x, y), w, h, fc=tint(color, shade), ec="none"))
+        if hatch:
+            ax.add_patch(Rectangle((x, y), w, h, fill=False, ec=line_color(color),
+                                   hatch=hatch, lw=0))
+        ax.plot([x + w, x + w], [y, y + h], color="white", lw=1.2, solid_capstyle="butt")
+        x += w
+    ax.add_patch(Rectangle((start, y), max(x - start, 0.02), h, fill=False,
+                           ec=line_color(color), lw=1.0))
+    return x
+
+
+def _legend(ax, order: Sequence[str], x: float, y: float) -> None:
+    handles = []
+    for k, name in enumerate(order):
+        shade, hatch = STYLES[k % len(STYLES)]
+        handles.append(Patch(fc=tint(PREDICTED, shade), ec=line_color(PREDICTED), hatch=hatch,
+                             label=name))
+    ax.add_artist(ax.legend(handles=handles, loc="lower left", ncol=len(handles),
+                            frameon=False, fontsize=FONT - 1, handlelength=1.6,
+                            handleheight=1.0, columnspacing=0.9, borderaxespad=0,
+                            borderpad=0, bbox_to_anchor=(x, y),
+                            bbox_transform=ax.transData))
+
+
+def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | None = None,
+              title: str | None = None) -> Figure:
+    """The planner's prediction for one layout or several: memory per GPU by category
+    against the GPU's memory, and the step split into compute, exposed communication and
+    bubble; a row per plan, every row to the same two scales.
+
+    `plans` is one `Plan.as_dict()` or a list of them; `labels` names each row (default: its
+    layout, "TP 2 PP 4 DP 8"). An infeasible plan's memory is drawn in red with its
+    reasons; one that fails before memory (a TP that does not divide the heads) has no
+    bars, only its reasons."""
+    plans = [plans] if isinstance(plans, Mapping) else list(plans)
+    if not plans:
+        raise ValueError("no plans to draw: give Plan.as_dict(), or a list of them")
+    for k, p in enumerate(plans):
+        _check(p, k)
+    if labels is None:
+        labels = [f"TP {p['layout']['tp']} PP {p['layout']['pp']} CP {p['layout']['cp']} "
+                  f"DP {p['dp']}" for p in plans]
+    labels = [str(label) for label in labels]
+    if len(labels) != len(plans):
+        raise ValueError(f"{len(labels)} labels for {len(plans)} plans: give one per plan")
+    memory_order = list(dict.fromkeys(k for p in plans for k in p["memory_bytes"])) or \
+        ["parameters", "gradients", "optimizer", "activations", "reserved"]
+    label_w = max(text_inches(label, FONT, bold=True) for label in labels)
+    left, gap, right = 0.3 + label_w + 0.2, 1.35, 1.35  # gap, right: the totals written
+    span = max(MAX_WIDTH - left - gap - right, 4.0)
+    mem_w, step_w = span * 0.5, span * 0.5
+    width = max(min(left + mem_w + gap + step_w + right, MAX_WIDTH), title_width(title))
+    chars = max(int((width - left - 0.3) / 0.075), 30)
+    notes = [textwrap.wrap("; ".join(p.get("reasons", [])), chars) for p in plans]
+    bar_h, line = 0.3, 0.2
+    pitches = [0.6 + line * len(n) for n in notes]
+    title_h = 0.45 if title else 0.15
+    legend_h = 1.0
+    height = title_h + 0.4 + sum(pitches) + legend_h
+    canvas = Canvas(width, height, CELL, title)
+    ax = canvas.ax
+    # One scale for every row: up to half again the largest GPU memory, so a layout that
+    # needs ten times the GPU does not shrink the others to nothing; longer bars are cut
+    # at the edge, their totals written.
+    reach = 1.5 * max(p["cluster"]["memory"] for p in plans)
+    mem_scale = mem_w / reach
+    steps = [sum(p.get("time_s", {}).values()) for p in plans]
+    step_scale = step_w / max(max(steps), 1e-12)
+    x_step = left + mem_w + gap
+    y = height - title_h - 0.3
+    ax.text(left, y, "memory per GPU", ha="left", va="bottom", fontsize=FONT,
+            fontweight="bold", color="#222222")
+    ax.text(x_step, y, "one step", ha="left", va="bottom", fontsize=FONT,
+            fontweight="bold", color="#222222")
+    y -= 0.1
+    for p, label, step, note, pitch in zip(plans, labels, steps, notes, pitches, strict=True):
+        y -= pitch
+        top = y + line * len(note)  # the bars, above the reasons
+        ax.text(0.3, top + bar_h / 2, label, ha="left", va="center", fontsize=FONT,
+                fontweight="bold", color="#222222")
+        for k, text in enumerate(note):
+            ax.text(left, top - 0.08 - line * k, text, ha="left", va="top",
+                    fontsize=FONT - 1, color=OVER)
+        if not p["memory_bytes"]:
+            ax.text(left, top + bar_h / 2, "cannot run:", ha="left", va="center",
+                    fontsize=FONT - 1, color=OVER)
+            continue
+        total, capacity = sum(p["memory_bytes"].values()), p["cluster"]["memory"]
+        over = total > capacity
+        shown = [(k, v) for k, v in p["memory_bytes"].items()]
+        kept, room = [], reach
+        for k, v in shown:  # cut at the scale's reach
+            kept.append((k, min(v, room)))
+            room -= kept[-1][1]
+        end = _parts(ax, left, top, bar_h, kept, memory_order, mem_scale,
+                     OVER if over else PREDICTED)
+        if total > reach:
+            ax.text(end + 0.02, top + bar_h / 2, "»", ha="left", va="center",
+                    fontsize=FONT + 2, color=OVER)
+        cap = left + capacity * mem_scale
+        ax.plot([cap, cap], [top - 0.06, top + bar_h + 0.06], color="black", lw=1.6)
+        ax.text(max(end + (0.18 if total > reach else 0), cap) + 0.08, top + bar_h / 2,
+                f"{amount(total / GIB)} of {amount(capacity / GIB)} GiB", ha="left",
+                va="center", fontsize=FONT - 1, color=OVER if over else "#222222")
+        if step:
+            parts = [("compute", p["time_s"]["compute"])]
+            parts += [(k, v) for k, v in p.get("exposed_s", {}).items()]
+            parts.append(("bubble", p["time_s"]["bubble"]))
+            end = _parts(ax, x_step, top, bar_h, parts, STEP_PARTS, step_scale, PREDICTED)
+            mfu = p.get("mfu")
+            ax.text(end + 0.08, top + bar_h / 2, _seconds(step) + (
+                f", MFU {mfu:.0%}" if mfu is not None else ""), ha="left", va="center",
+                fontsize=FONT - 1)
+    ax.text(0.3, 0.62, "memory:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
+    _legend(ax, memory_order, 1.15, 0.55)
+    ax.text(0.3, 0.22, "step:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
+    _legend(ax, STEP_PARTS, 1.15, 0.15)
+    ax.text(width - 0.2, 0.62, "black line: the GPU's memory", ha="right", va="bottom",
+            fontsize=FONT - 1, style="italic", color="#333333")
+    ax.text(width - 0.2, 0.22, "TP … DP: exposed communication", ha="right",
+            va="bottom", fontsize=FONT - 1, style="italic", color="#333333")
+    return canvas.fig
