@@ -134,7 +134,7 @@ NEEDS_LAUNCHERS = {"06b_launchers_clusters.ipynb"}
 
 FILE_SECONDS = {
     "06a_launchers_torchrun.ipynb": 300, "test_exercise_ddp_script.py": 250,
-    "05_ddp_mnist.ipynb": 175, "test_exercise_verdicts.py": 330,
+    "05_ddp_mnist.ipynb": 175, "test_exercise_verdicts.py": 330,  # 05: was 215 (RESULTS.md)
     "06b_launchers_clusters.ipynb": 200, "test_pool.py": 120, "test_train.py": 115,
     "01_processes_and_ranks.ipynb": 85, "test_doctor.py": 85,
     "07a_debugging_collectives.ipynb": 80, "test_exercises.py": 70, "test_browser.py": 70,
@@ -146,7 +146,6 @@ FILE_SECONDS = {
     # chapter 9: from single runs of each file on the same loaded machine (2026-11-27)
     "09a_sharding_by_hand.ipynb": 60, "09b_fsdp.ipynb": 60, "test_sharding.py": 60,
     "test_viz_memory.py": 10, "test_planner.py": 10,
-    # 05 from 215: 5.4's reference made only when needed (benchmarks/RESULTS.md)
     # chapter 10a (2026-11-27): the notebook takes 20 s of CPU (user + sys, all its
     # processes) and ran in 69 s under a load of 15-20; test_tp.py 55 s under a load of 10-30
     "10a_tensor_parallel.ipynb": 40, "test_tp.py": 40, "test_viz_placements.py": 8,
