@@ -103,29 +103,10 @@ def test_f_is_identity_forward_and_all_reduce_backward_g_the_reverse(pool):
 
 # --- the MLP and attention, against the unsharded blocks -------------------------------
 
-def mlp_case(size: int) -> dict:
-    group = tp_group(size)
-    torch.manual_seed(0)
-    full = MLP(D, H)
-    tp = TensorParallelMLP(full, group)
-    x, xs = inputs(), inputs()
-    y_full = full(x)
-    y_full.square().sum().backward()
-    with record_collectives() as comms:
-        y = tp(xs)
-        forward = len(comms)
-        y.square().sum().backward()
-    pairs = {**linear_pairs("fc1", "fc1", tp.fc1), **linear_pairs("fc2", "fc2", tp.fc2)}
-    return {"out": (y - y_full).abs().max().item(), "grad_x": (xs.grad - x.grad).abs().max().item(),
-            "grads": grads_match(tp, full, pairs), "forward": forward,
-            "comms": [(c.kind, c.bytes, c.world_size) for c in comms]}
-
-
-def attention_case(size: int) -> dict:
-    group = tp_group(size)
-    torch.manual_seed(0)
-    full = Attention(D, HEADS)
-    tp = TensorParallelAttention(full, group)
+def _block_case(full, tp, layers: str | tuple[str, ...]) -> dict:
+    """One step of the unsharded block and of its tensor-parallel copy, on the same inputs:
+    the largest differences, the collectives recorded (how many in forward), and whether
+    every parameter's gradient is its slice of the unsharded one."""
     x, xs = inputs(), inputs()
     y_full = full(x)
     y_full.square().sum().backward()
@@ -134,11 +115,26 @@ def attention_case(size: int) -> dict:
         forward = len(comms)
         y.square().sum().backward()
     pairs = {}
-    for name in "qkvo":
+    for name in layers:
         pairs.update(linear_pairs(name, name, getattr(tp, name)))
     return {"out": (y - y_full).abs().max().item(), "grad_x": (xs.grad - x.grad).abs().max().item(),
-            "grads": grads_match(tp, full, pairs), "forward": forward, "heads": tp.heads,
+            "grads": grads_match(tp, full, pairs), "forward": forward,
             "comms": [(c.kind, c.bytes, c.world_size) for c in comms]}
+
+
+def mlp_case(size: int) -> dict:
+    group = tp_group(size)
+    torch.manual_seed(0)
+    full = MLP(D, H)
+    return _block_case(full, TensorParallelMLP(full, group), ("fc1", "fc2"))
+
+
+def attention_case(size: int) -> dict:
+    group = tp_group(size)
+    torch.manual_seed(0)
+    full = Attention(D, HEADS)
+    tp = TensorParallelAttention(full, group)
+    return {**_block_case(full, tp, "qkvo"), "heads": tp.heads}
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import warnings
 
 import numpy as np
 import pytest
@@ -16,21 +15,10 @@ import torch
 from matplotlib.colors import to_rgb
 from matplotlib.legend import Legend
 from matplotlib.patches import FancyArrowPatch, Rectangle
+from viz_checks import no_warnings, texts  # noqa: F401 (the fixture applies by import)
 
 from ddplab import flight, viz
 from ddplab.viz import palette
-
-
-@pytest.fixture(autouse=True)
-def no_warnings():
-    with warnings.catch_warnings():  # what matplotlib warns with: user and deprecation
-        for category in (UserWarning, DeprecationWarning, FutureWarning):
-            warnings.simplefilter("error", category)
-        yield
-
-
-def texts(fig) -> list[str]:
-    return [t.get_text() for t in fig.axes[0].texts]
 
 
 def cell_at(fig, text: str, nth: int = 0):

@@ -6,28 +6,16 @@ texts, the sizes): nbval compares a picture's size, never its pixels.
 
 from __future__ import annotations
 
-import warnings
 from itertools import pairwise
 
 import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Rectangle
+from viz_checks import no_warnings, texts  # noqa: F401 (the fixture applies by import)
 
 from ddplab import viz
 from ddplab.viz.memory import amount, text_inches
 from ddplab.viz.shards import local_ranges
-
-
-@pytest.fixture(autouse=True)
-def no_warnings():
-    with warnings.catch_warnings():
-        for category in (UserWarning, DeprecationWarning, FutureWarning):
-            warnings.simplefilter("error", category)
-        yield
-
-
-def texts(fig) -> list[str]:
-    return [t.get_text() for t in fig.axes[0].texts]
 
 
 def fills(fig) -> set[tuple[float, ...]]:

@@ -6,22 +6,13 @@ compares a picture's size, never its pixels.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Rectangle
+from viz_checks import no_warnings  # noqa: F401 (the fixture applies by import)
 
 from ddplab import viz
 from ddplab.viz.palette import line_color, rank_color, tint
-
-
-@pytest.fixture(autouse=True)
-def no_warnings():
-    with warnings.catch_warnings():
-        for category in (UserWarning, DeprecationWarning, FutureWarning):
-            warnings.simplefilter("error", category)
-        yield
 
 
 def rgb(color) -> tuple[float, ...]:

@@ -6,27 +6,15 @@ nbval compares a picture's size, never its pixels.
 from __future__ import annotations
 
 import sys
-import warnings
 
 import numpy as np
 import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.patches import PathPatch, Rectangle
+from viz_checks import no_warnings, texts  # noqa: F401 (the fixture applies by import)
 
 from ddplab import viz
 from ddplab.viz.canvas import MAX_WIDTH
-
-
-@pytest.fixture(autouse=True)
-def no_warnings():
-    with warnings.catch_warnings():
-        for category in (UserWarning, DeprecationWarning, FutureWarning):
-            warnings.simplefilter("error", category)
-        yield
-
-
-def texts(fig) -> list[str]:
-    return [t.get_text() for t in fig.axes[0].texts]
 
 
 def legend_texts(fig) -> list[str]:

@@ -6,22 +6,13 @@ picture's size, never its pixels.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Rectangle
+from viz_checks import no_warnings, texts  # noqa: F401 (the fixture applies by import)
 
 from ddplab import viz
 from ddplab.viz.schedules import IDLE
-
-
-@pytest.fixture(autouse=True)
-def no_warnings():
-    with warnings.catch_warnings():
-        for category in (UserWarning, DeprecationWarning, FutureWarning):
-            warnings.simplefilter("error", category)
-        yield
 
 
 def gpipe(p: int, m: int, unit: float = 1.0) -> list[tuple]:
@@ -34,10 +25,6 @@ def gpipe(p: int, m: int, unit: float = 1.0) -> list[tuple]:
         events += [(s, "B", i, (start + 2 * i) * unit, (start + 2 * i + 2) * unit)
                    for i in range(m)]
     return events
-
-
-def texts(fig) -> list[str]:
-    return [t.get_text() for t in fig.axes[0].texts]
 
 
 def fills(fig) -> set[tuple[float, ...]]:
