@@ -141,8 +141,11 @@ def _run_all_cells(driver) -> None:
 
 
 def _panel_text(driver) -> str:
-    return " ".join(e.text for e in driver.find_elements(By.CSS_SELECTOR,
-                                                         ".widget-html-content pre"))
+    """The explorer's panels, read in one script call (as `_caption`): a redraw between
+    finding an element and reading its text would turn the reference stale."""
+    return driver.execute_script("return Array.from(document.querySelectorAll("
+                                 "'.widget-html-content pre')).map(e => e.innerText)"
+                                 ".join(' ')")
 
 
 def _caption(driver) -> str:

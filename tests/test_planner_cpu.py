@@ -77,7 +77,10 @@ def test_step_times_follow_the_plan_within_25_percent(pool):
     assert 0.9 < ratios["TP"] < 1.8, ratios
     # PP's bubble: the slowest stage waits for the other's first forward and last backward,
     # (p − 1)/m of the work; on 2 ranks PP has no gradient all-reduce to wait for. The load
-    # only adds waiting, so the lower bound is firm; the upper one is loose, by DP's waiting
-    # in the same rounds (its all-reduce and the load)
+    # only adds waiting, so the lower bound is firm. The upper one is loose: by the most that
+    # a layout without a pipeline waited in the same rounds, for its collectives and for
+    # the CPU (ZeRO-3's many all-gathers left out). Under another test's load PP's ranks
+    # waited 45 ms against a 12 ms bubble, ZeRO-1 and TP 30 ms, DP 6 ms.
     bubble = plans["PP"].time["bubble"]
-    assert 0.5 * bubble < idle["PP"] < 2 * bubble + idle["DP"], (idle, bubble)
+    waited = max(idle[name] for name in ("DP", "ZeRO-1", "TP"))
+    assert 0.5 * bubble < idle["PP"] < 2 * bubble + waited, (idle, bubble)
