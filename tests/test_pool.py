@@ -281,6 +281,34 @@ def test_a_dead_forkserver_is_replaced():
         assert p.run(rank_sum, 0) == [1, 1]
 
 
+def _imported(name):
+    return name in sys.modules
+
+
+@pytest.mark.slow
+def test_preloaded_modules_are_imported_before_the_ranks_are_forked():
+    """The exercise checks' pools (`ddplab.exercises.CHECK_PRELOAD`): their ranks start with
+    torch._dynamo imported, forked from a server of their own; the usual server's ranks do
+    not have it."""
+    with Pool(2, preload=["torch._dynamo"]) as p:
+        assert p.run(_imported, "torch._dynamo") == [True, True]
+        server = forkserver.running(preload=("torch._dynamo",))
+        assert server is not None and server.pid != forkserver.get().pid
+        assert set(p.pids) <= {child.pid for child in psutil.Process(server.pid).children()}
+    with Pool(1) as p:
+        assert p.run(_imported, "torch._dynamo") == [False]
+
+
+@pytest.mark.slow
+def test_a_module_that_cannot_be_preloaded_is_named():
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(forkserver.PreloadError,
+                       match=r"could not import 'ddplab\.no_such_module' \(ModuleNotFoundError"):
+        Pool(1, preload=["ddplab.no_such_module"])
+    assert forkserver.running(preload=("ddplab.no_such_module",)) is None
+    assert set(psutil.Process().children(recursive=True)) <= before
+
+
 # --- 8. init methods ---
 
 @pytest.mark.slow
@@ -359,6 +387,8 @@ def test_nccl_without_gpus_is_a_clear_error_before_anything_starts():
     ({"world_size": 2, "init_method": "udp"}, ValueError, "'env', 'tcp', 'file', or None"),
     ({"world_size": 2, "timeout": 0}, ValueError, "positive number of seconds"),
     ({"world_size": 2, "threads": 0}, ValueError, "threads"),
+    ({"world_size": 2, "preload": "torch._dynamo"}, TypeError, r"preload=\['torch._dynamo'\]"),
+    ({"world_size": 2, "preload": ["torch dynamo"]}, ValueError, "not a module name"),
 ])
 def test_bad_pool_arguments_fail_at_once(kwargs, error, match):
     before = set(psutil.Process().children(recursive=True))

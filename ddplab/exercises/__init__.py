@@ -147,6 +147,14 @@ def _is_users(attempt: Callable) -> bool:
     return code is not None and tracebacks.is_user_frame(code.co_filename)
 
 
+CHECK_PRELOAD = ("torch._dynamo",)
+"""What the checks' ranks import before they are forked. Most checks from chapter 5 on
+build DDP, FSDP or DTensor models, whose constructors import torch's compiler front end
+(DDP asks `torch._dynamo` which reducer to use): about 2 s of CPU in every fresh rank, and
+every check starts fresh ranks. Imported once in the checks' own forkserver instead, a
+check's ranks start without it (the exercise tests took about half the CPU)."""
+
+
 def ranks(world_size: int, **kwargs):
     """A pool of the size a checker needs, quiet and short-lived (use it in a `with`).
 
@@ -155,7 +163,7 @@ def ranks(world_size: int, **kwargs):
     """
     from ddplab.pool import Pool
 
-    return Pool(world_size, quiet=True, **kwargs)
+    return Pool(world_size, quiet=True, preload=CHECK_PRELOAD, **kwargs)
 
 
 LOAD_TIMEOUT = 60.0  # seconds the ranks may take to load an attempt (imports, on a busy machine)

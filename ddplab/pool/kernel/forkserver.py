@@ -26,6 +26,11 @@ learner set them would ignore them. So each server is started for one setting of
 variables torch might read (`import_time`), and a pool whose setting differs gets a fresh
 server; a server left with no ranks is stopped when another one starts.
 
+Preloading: a pool may name more modules for its server to import before it forks
+(`Pool(preload=...)`, as multiprocessing's `set_forkserver_preload`), so that its ranks
+start with them instead of each importing them again. Those pools get a server of their
+own: a bigger server makes every fork dearer, so the usual one imports torch alone.
+
 Finding them: the server's command line, which its ranks (forked, not started) share, says
 `ddplab.forkserver` (`PROCESS_NAME`), so `pgrep -af ddplab.forkserver` lists a kernel's
 servers and ranks (docs/instructors.md), wherever this module lives.
@@ -36,6 +41,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import importlib
 import os
 import pickle
 import select
@@ -54,7 +60,7 @@ _HEADER = struct.Struct("!I")
 PROCESS_NAME = "ddplab.forkserver"
 """The server's first argument, which names it (and its ranks) to `pgrep -af`."""
 _SERVER_MAIN = ("import sys; from ddplab.pool.kernel.forkserver import serve; "
-                "serve(*map(int, sys.argv[2:]))")
+                "serve(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])")
 # The folder that holds the ddplab package (this file is ddplab/pool/kernel/forkserver.py).
 _PACKAGE_PARENT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 _MAX_FDS = 8
@@ -63,6 +69,8 @@ IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "GLOO_", "NCCL_")
 of which ones are (it changes between releases), all of them choose the server."""
 
 Setting = tuple[tuple[str, str], ...]
+Preload = tuple[str, ...]
+"""Modules a server imports beyond torch before it forks (`Pool(preload=...)`)."""
 
 
 def import_time(env: Mapping[str, str]) -> Setting:
@@ -72,6 +80,10 @@ def import_time(env: Mapping[str, str]) -> Setting:
 
 class ForkServerError(RuntimeError):
     """The forkserver could not be started or stopped answering."""
+
+
+class PreloadError(ForkServerError):
+    """A module the pool asked the forkserver to preload could not be imported."""
 
 
 # --- framing: length-prefixed pickles, with file descriptors riding on the first byte ---
@@ -108,10 +120,12 @@ def _recv(sock: socket.socket) -> tuple[object, list[int]]:
 # --- the kernel's side ---
 
 class ForkServer:
-    """The kernel's handle on one forkserver process, started for one `Setting`."""
+    """The kernel's handle on one forkserver process, started for one `Setting` and
+    `Preload`."""
 
-    def __init__(self, setting: Setting = ()) -> None:
+    def __init__(self, setting: Setting = (), preload: Preload = ()) -> None:
         self.setting = setting
+        self.preload = preload
         self._lock = threading.RLock()
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
@@ -144,7 +158,7 @@ class ForkServer:
             try:
                 self._proc = subprocess.Popen(
                     [sys.executable, "-c", _SERVER_MAIN, PROCESS_NAME, str(theirs.fileno()),
-                     str(lifeline_r)],
+                     str(lifeline_r), *self.preload],
                     pass_fds=(theirs.fileno(), lifeline_r),
                     stdin=subprocess.DEVNULL, env=env,
                     start_new_session=True,  # the kernel's Ctrl-C is not for us
@@ -158,6 +172,11 @@ class ForkServer:
         if self._ready:
             return
         reply = self._next_reply(time.monotonic() + timeout, "start")
+        if reply[0] == "preload failed":
+            raise PreloadError(
+                f"preload: the ranks' forkserver could not import {reply[1]!r} ({reply[2]}). "
+                "preload names modules to import once, before the ranks are forked: check "
+                "the name (it must import in this environment), or leave it out.")
         if reply[0] != "ready":
             raise ForkServerError(f"forkserver sent {reply!r} instead of 'ready'")
         self._ready = True
@@ -198,6 +217,9 @@ class ForkServer:
                     reply = self._next_reply(time.monotonic() + timeout, "fork")
                     self.children.add(reply[1])
                     return reply[1]
+                except PreloadError:
+                    self.stop()  # the same import would fail again
+                    raise
                 except (ForkServerError, OSError):
                     if attempt == 2:
                         raise
@@ -283,9 +305,10 @@ class ForkServer:
         self._to_forget.clear()
 
 
-_servers: dict[Setting, ForkServer] = {}
-_home: Setting | None = None  # the setting of the first server this process started
-_previous: Setting | None = None  # the last other setting asked for
+_Key = tuple[Setting, Preload]
+_servers: dict[_Key, ForkServer] = {}
+_home: _Key | None = None  # the key of the first server this process started
+_previous: _Key | None = None  # the last other key asked for
 _server_lock = threading.Lock()
 _lifeline_fds: tuple[int, int] | None = None
 
@@ -302,34 +325,37 @@ def _lifeline() -> int:
     return _lifeline_fds[0]
 
 
-def running(env: Mapping[str, str] | None = None) -> ForkServer | None:
-    """The forkserver for `env` (default: this process's) if one is running; never starts one."""
-    server = _servers.get(import_time(os.environ if env is None else env))
+def running(env: Mapping[str, str] | None = None, preload: Preload = ()) -> ForkServer | None:
+    """The forkserver for `env` (default: this process's) and `preload` if one is running;
+    never starts one."""
+    server = _servers.get((import_time(os.environ if env is None else env), preload))
     return server if server is not None and server.alive() else None
 
 
-def get(env: Mapping[str, str] | None = None) -> ForkServer:
-    """The forkserver for `env` (default: this process's environment), started on first use.
+def get(env: Mapping[str, str] | None = None, preload: Preload = ()) -> ForkServer:
+    """The forkserver for `env` (default: this process's environment) and `preload`,
+    started on first use.
 
-    One server per setting of torch's import-time variables. An idle server holds a few
-    hundred MB (torch, imported), a fresh one costs seconds, so a kernel keeps: the first
-    server it started (its own setting: most pools use it), the server of the setting asked
-    for now and the one asked for before it (a debugging pool started again), and any
-    server whose ranks still run. Other idle servers are stopped at once.
+    One server per setting of torch's import-time variables and modules preloaded. An idle
+    server holds a few hundred MB (torch, imported), a fresh one costs seconds, so a kernel
+    keeps: the first server it started (its own setting: most pools use it), the server
+    asked for now and the one asked for before it (a debugging pool started again, or an
+    exercise check's, which preloads), and any server whose ranks still run. Other idle
+    servers are stopped at once.
     """
     global _home, _previous
-    setting = import_time(os.environ if env is None else env)
+    key = (import_time(os.environ if env is None else env), tuple(preload))
     with _server_lock:
         if _home is None:
-            _home = setting
-        keep = {_home, setting, _previous}
+            _home = key
+        keep = {_home, key, _previous}
         for other in [k for k, s in _servers.items() if k not in keep and not s.busy()]:
             _servers.pop(other).kill()
-        if setting != _home:
-            _previous = setting
-        server = _servers.get(setting)
+        if key != _home:
+            _previous = key
+        server = _servers.get(key)
         if server is None:
-            server = _servers[setting] = ForkServer(setting)
+            server = _servers[key] = ForkServer(*key)
         server.start()
         return server
 
@@ -425,13 +451,13 @@ def _quiet_unless_failing():
             os.close(saved)
 
 
-def serve(sock_fd: int, lifeline_fd: int) -> None:
+def serve(sock_fd: int, lifeline_fd: int, preload: Iterable[str] = ()) -> None:
     """Run the server until the kernel goes; a kernel gone mid-message is no error."""
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        _serve(sock_fd, lifeline_fd)
+        _serve(sock_fd, lifeline_fd, tuple(preload))
 
 
-def _serve(sock_fd: int, lifeline_fd: int) -> None:
+def _serve(sock_fd: int, lifeline_fd: int, preload: Preload) -> None:
     """The server's loop: fork on request, report exits, leave when the kernel goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=sock_fd)
@@ -442,6 +468,12 @@ def _serve(sock_fd: int, lifeline_fd: int) -> None:
         import torch.distributed  # noqa: F401
 
         from ddplab.pool import rank  # noqa: F401
+        for name in preload:  # what this pool's ranks all import besides
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # the kernel says which, to the learner
+                _send(sock, ("preload failed", name, f"{type(exc).__name__}: {exc}"))
+                return
     # What was imported stays for the server's life: out of the collector's sight, so that
     # a rank's garbage collections never walk (and so copy, page by page) what it shares
     # with the server.

@@ -55,6 +55,7 @@ class Setup:
     threads: int
     pg_timeout: float  # the process group's timeout, in seconds
     env: Mapping[str, str]  # the pool's own variables, over the kernel's
+    preload: tuple[str, ...] = ()  # modules the forkserver imports before forking them
 
 
 def kill_groups(pids: Iterable[int]) -> None:
@@ -94,7 +95,7 @@ class Processes:
         """Fork a new generation of ranks, with a fresh rendezvous for their group."""
         self.generation += 1
         env = self.started_env = self.environment()
-        self._server = forkserver.get(env)
+        self._server = forkserver.get(env, self.setup.preload)
         rendezvous = self._rendezvous()
         try:
             for index in range(self.setup.world_size):
