@@ -14,6 +14,7 @@ DDPLAB_REQUIRE_BROWSER=1, which turns a missing browser into a failure, not a sk
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -39,6 +40,7 @@ webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.expected_conditions import staleness_of  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 CELL = """\
@@ -114,8 +116,10 @@ def _accept_kernel_choice(driver) -> None:
     for dialog in driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog"):
         if dialog.text.startswith("Select Kernel"):
             dialog.find_element(By.CSS_SELECTOR, ".jp-Dialog-button.jp-mod-accept").click()
-            WebDriverWait(driver, 10).until(
-                lambda d: not d.find_elements(By.CSS_SELECTOR, ".jp-Dialog"))
+            # This dialog gone (another may open meanwhile). A click the busy lab missed
+            # leaves it open: the callers' loops come back here and click again.
+            with contextlib.suppress(TimeoutException):
+                WebDriverWait(driver, 20).until(staleness_of(dialog))
 
 
 def _run_all_cells(driver) -> None:
