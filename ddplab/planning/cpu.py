@@ -20,17 +20,18 @@ targets (8 bytes a token each): under 1 % of the activations here.
 
 The layouts a CPU pool runs, one at a time (no 2-D combinations): DP with DDP
 (`gradient_as_bucket_view`, so the ledger sees its buckets), ZeRO-1/2/3 with the kit's
-`ZeroAdam`, TP with torch's `parallelize_module` (column-parallel Q, K, V and first MLP
+`ZeroAdam`, TP by hand with chapter 10a's layers (column-parallel Q, K, V and first MLP
 layer, row-parallel output projection and second MLP layer, the embedding split by
-vocabulary and the logits by class under `loss_parallel`: Megatron-LM's layout, without
-sequence parallelism: `Layout(sp=False)`), and PP by hand: two or more stages of whole
-layers, GPipe's schedule (every micro-batch's forward, then every backward), the
-activation sent forward and its gradient back with `send`/`recv` inside autograd.
+vocabulary and the logits by class with a vocabulary-parallel loss: Megatron-LM's layout,
+without sequence parallelism: `Layout(sp=False)`; not torch's `parallelize_module`, whose
+DTensor dispatch, in Python on every call, adds a fixed cost to each step that a GPU hides
+behind its kernels and a CPU cannot), and PP by hand: two or more stages of whole layers,
+GPipe's schedule (every micro-batch's forward, then every backward), the activation sent
+forward and its gradient back with `send`/`recv` inside autograd.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict
 
@@ -60,16 +61,6 @@ def layouts(world: int = 2, batch_size: int = BATCH) -> dict[str, Layout]:
             "TP": Layout(tp=world, micro_batch=batch_size, fp32=True, sp=False),
             "PP": Layout(pp=world, micro_batch=batch_size // 4, schedule="gpipe", fp32=True,
                          balanced=False)}
-
-
-def torch_extra(shape: Transformer, layout: Layout) -> dict[str, int]:
-    """Bytes a rank holds beyond the planner's count because of how torch 2.13 does it:
-    under TP, the vocabulary-parallel embedding's gradient comes back replicated (its
-    backward all-reduces the whole table's gradient to every rank), where Megatron-LM's,
-    which the planner counts, stays split. Measured, not assumed: the checks show it."""
-    if layout.tp == 1:
-        return {}
-    return {"gradients": 4 * shape.vocab * shape.hidden * (layout.tp - 1) // layout.tp}
 
 
 # --- the model --------------------------------------------------------------------------
@@ -157,23 +148,116 @@ def batch(shape: Transformer, sequences: int, step: int, index: int) -> tuple:
 
 # --- the layouts ------------------------------------------------------------------------
 
-def _tensor_parallel(model: nn.Sequential, shape: Transformer) -> nn.Sequential:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+class _Local(nn.Module):
+    """A column-parallel layer's bare matmul, for Q, K and V, which share one f in front
+    of the attention (one all-reduce of the input's gradient backward, not three)."""
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    plan = {"embed": RowwiseParallel(input_layouts=Replicate()),
-            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    def __init__(self, layer) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.local(x)
+
+
+class _SharedF(nn.Module):
+    """Megatron's f in front of a module whose column-parallel layers are `_Local`."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ddplab.parallel.tp import copy_to_tp
+
+        return self.inner(copy_to_tp(x))
+
+
+class _VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding table (a slice of the vocabulary): a token outside
+    them looks up zeros, and g's all-reduce adds the ranks' lookups, so each token gets its
+    one row (Megatron-LM's `VocabParallelEmbedding`). The gradient stays split."""
+
+    def __init__(self, full: nn.Embedding) -> None:
+        super().__init__()
+        from ddplab.parallel.tp import shard_range
+
+        self.start, self.stop = shard_range(full.num_embeddings, what="the vocabulary")
+        self.weight = nn.Parameter(full.weight.detach()[self.start:self.stop].clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from ddplab.parallel.tp import reduce_from_tp
+
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.stop - self.start)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+def _tensor_parallel(model: nn.Sequential, shape: Transformer) -> nn.Sequential:
+    """Megatron-LM's layout, by hand, with chapter 10a's layers (`ddplab.parallel.tp`):
+    each block's Q, K, V and first MLP layer column-parallel behind one f each, its output
+    projection and second MLP layer row-parallel with their g; the embedding split by
+    vocabulary; the logit layer column-parallel, by class (its loss is
+    `vocab_parallel_loss`). The norms stay whole on every rank. Built from the unsharded
+    model, so both start from the same weights."""
+    from ddplab.parallel.tp import ColumnParallelLinear, RowParallelLinear
+
+    model.embed = _VocabParallelEmbedding(model.embed)
     for i in range(shape.layers):
-        plan.update({f"layer{i}.attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")})
-        plan.update({f"layer{i}.attn.wo": RowwiseParallel(), f"layer{i}.fc1": ColwiseParallel(),
-                     f"layer{i}.fc2": RowwiseParallel()})
-    return parallelize_module(model, mesh, plan)
+        block = model.get_submodule(f"layer{i}")
+        attn = block.attn
+        for name in ("wq", "wk", "wv"):
+            setattr(attn, name, _Local(ColumnParallelLinear(getattr(attn, name))))
+        attn.wo = RowParallelLinear(attn.wo)
+        block.attn = _SharedF(attn)
+        block.fc1, block.fc2 = ColumnParallelLinear(block.fc1), RowParallelLinear(block.fc2)
+    model.head = ColumnParallelLinear(model.head)
+    return model
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits split by class, token by token (Megatron-LM's
+    `_VocabParallelCrossEntropy`): the softmax's maximum, its sum and the target's logit
+    each gathered with one all-reduce, so no rank ever holds the whole vocabulary's
+    logits. It keeps for the backward only this rank's slice of the softmax (fp32), the
+    targets' places and which of them are this rank's: autograd's own ops would also keep
+    the logits (`gather` saves its input), twice what the planner counts."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int) -> torch.Tensor:
+        width = logits.shape[-1]
+        peak = logits.max(dim=-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        softmax = (logits - peak.unsqueeze(-1)).exp_()
+        total = softmax.sum(dim=-1)
+        dist.all_reduce(total)
+        local = target - start
+        inside = (local >= 0) & (local < width)
+        local = local.clamp(0, width - 1)
+        picked = logits.gather(1, local.unsqueeze(-1)).squeeze(-1) - peak
+        picked = picked.masked_fill_(~inside, 0.0)
+        dist.all_reduce(picked)  # each token's target logit, from the rank that holds it
+        softmax.div_(total.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, inside)
+        return total.log_() - picked
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, inside = ctx.saved_tensors
+        grad_logits = softmax.clone()  # softmax − one-hot(target), times the loss's gradient
+        grad_logits[torch.arange(len(local)), local] -= inside.to(grad_logits.dtype)
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None
+
+
+def vocab_parallel_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`loss_fn` for logits split by class over the ranks (the TP layout's logit layer is
+    column-parallel): each rank passes its slice, every rank gets the same loss."""
+    from ddplab.parallel.tp import shard_range
+
+    logits = logits.flatten(0, 1).float()
+    start, _ = shard_range(logits.shape[-1] * dist.get_world_size(), what="the vocabulary")
+    return _VocabParallelCrossEntropy.apply(logits, target.flatten(), start).mean()
 
 
 class _Send(torch.autograd.Function):
@@ -242,8 +326,8 @@ def _stage_layers(model: nn.Sequential, shape: Transformer, index: int, stages: 
 
 
 def _layout(shape: Transformer, layout: Layout, batch_size: int, rounds: int, lr: float):
-    """(model, optimizer, the step's inputs for `rounds` + 1 steps, the context manager a
-    step runs in, TP's `loss_parallel` or none) for `layout` on this rank."""
+    """(model, optimizer, the step's inputs for `rounds` + 1 steps) for `layout` on this
+    rank."""
     from ddplab.sharding import ZeroAdam
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -253,11 +337,9 @@ def _layout(shape: Transformer, layout: Layout, batch_size: int, rounds: int, lr
                          "take one of DP, ZeRO, TP or PP at a time, over every rank, no CP")
     if not layout.fp32:
         raise ValueError("the CPU runs train in fp32: pass Layout(fp32=True)")
-    model, context = build(shape), contextlib.nullcontext
+    model = build(shape)
     if layout.tp > 1:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        model, context = _tensor_parallel(model, shape), loss_parallel
+        model = _tensor_parallel(model, shape)
         data = [batch(shape, batch_size, step, 0) for step in range(rounds + 1)]
     elif layout.pp > 1:
         micro = layout.micro_batch
@@ -279,7 +361,7 @@ def _layout(shape: Transformer, layout: Layout, batch_size: int, rounds: int, lr
 
             model = DDP(model, gradient_as_bucket_view=True)
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    return model, optimizer, data, context
+    return model, optimizer, data
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
@@ -287,7 +369,11 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def _loss(layout: Layout):
-    return (lambda loss, _: loss) if layout.pp > 1 else loss_fn
+    """The step's loss from the model's output: PP's stages return it; TP's logits are
+    split by class."""
+    if layout.pp > 1:
+        return lambda loss, _: loss
+    return vocab_parallel_loss if layout.tp > 1 else loss_fn
 
 
 def memory(shape: Transformer, layout: Layout, batch_size: int) -> dict[str, int]:
@@ -297,9 +383,8 @@ def memory(shape: Transformer, layout: Layout, batch_size: int) -> dict[str, int
     micro-batches of `layout.micro_batch`, the other layouts run it in one go."""
     from ddplab.sharding import measure_step
 
-    model, optimizer, data, context = _layout(shape, layout, batch_size, 0, 1e-3)
-    with context():
-        return measure_step(model, optimizer, data[0], _loss(layout)).as_dict()
+    model, optimizer, data = _layout(shape, layout, batch_size, 0, 1e-3)
+    return measure_step(model, optimizer, data[0], _loss(layout)).as_dict()
 
 
 def _matmuls(shape: Transformer, tokens: int) -> tuple[list, float]:
@@ -353,10 +438,7 @@ def timing(shape: Transformer, layouts: list[Layout], batch_size: int, rounds: i
 
     def step(model, optimizer, inputs, layout) -> None:
         optimizer.zero_grad()
-        if layout.pp > 1:
-            model(inputs[0]).backward()
-        else:
-            loss_fn(model(inputs[0]), inputs[1]).backward()
+        _loss(layout)(model(inputs[0]), inputs[1]).backward()
         optimizer.step()
 
     idle = [[] for _ in layouts]
@@ -364,10 +446,8 @@ def timing(shape: Transformer, layouts: list[Layout], batch_size: int, rounds: i
         took, _ = timed(lambda: [a @ b for a, b in pairs])
         if r:
             times[0].append(took)
-        for i, (layout, (model, optimizer, data, context)) in enumerate(zip(layouts, built,
-                                                                            strict=True)):
-            with context():
-                took, waited = timed(lambda: step(model, optimizer, data[r], layout))  # noqa: B023
+        for i, (layout, (model, optimizer, data)) in enumerate(zip(layouts, built, strict=True)):
+            took, waited = timed(lambda: step(model, optimizer, data[r], layout))  # noqa: B023
             if r:
                 times[i + 1].append(took)
                 idle[i].append(waited)

@@ -239,11 +239,15 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
                   for i, n in enumerate(counts)) * lay.pp / hw
     tokens = batch * m.seq
     compute = tokens * hw / gpus * slowest / rate
-    # What is not a matmul (norms, residuals, activations, softmax) on the slowest stage's
-    # tokens: split by CP and by TP only with sequence parallelism (without it every TP
-    # rank repeats the norms and residuals for the whole sequence); full recomputation
-    # runs the forward's share (a third) again.
-    out.elements = (tokens / dp / lay.cp * m.hidden * per_stage / (lay.tp if lay.sp else 1)
+    # What is not a matmul (norms, residuals, activation functions, softmax) on the slowest
+    # stage's tokens: memory-bound work on the tensors a layer makes, so a TP rank's share
+    # is its share of what the layer saves (Korthikanti et al.'s Table 2): 1/TP with
+    # sequence parallelism; without it every TP rank repeats the norms' regions for the
+    # whole sequence, while attention's heads and the FFN-wide tensors stay split. Split by
+    # CP; full recomputation runs the forward's share (a third) again.
+    share = (m.activation_bytes(lay.micro_batch, lay.tp, sp=lay.sp)
+             / m.activation_bytes(lay.micro_batch))
+    out.elements = (tokens / dp / lay.cp * m.hidden * per_stage * share
                     * (4 / 3 if lay.recompute == "full" else 1))
     compute += c.vector * out.elements
     per_mb = compute / mbs
