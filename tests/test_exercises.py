@@ -207,3 +207,29 @@ def test_the_learners_error_is_still_a_verdict(where, monkeypatch):
     feedback = check("0.99", attempt)
     assert not feedback.passed
     assert "ValueError" in feedback.message and "the learner's mistake" in feedback.message
+
+
+_WHICH_SERVERS = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_exercises import solution
+from ddplab.exercises import CHECK_PRELOAD, check
+from ddplab.pool.kernel import forkserver
+for exercise_id in sys.argv[1:]:
+    assert check(exercise_id, solution(exercise_id)).passed
+    print(exercise_id, forkserver.running(preload=CHECK_PRELOAD) is not None)
+"""
+
+
+@pytest.mark.slow
+def test_only_checks_that_build_models_start_a_preloading_forkserver():
+    """Chapters 0-4's checks fork from the learner's own forkserver; from chapter 5 on, a
+    check's ranks come from a server that imported torch._dynamo (CHECK_PRELOAD)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WHICH_SERVERS.format(
+        tests=str(Path(__file__).parent)), "4.1", "5.1"], capture_output=True, text=True,
+        timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["4.1", "False", "5.1", "True"]

@@ -23,6 +23,7 @@ import pkgutil
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ddplab.pool import tracebacks
@@ -108,6 +109,7 @@ def check(id: str, attempt: Callable) -> Feedback:
                         "pass the function's name without calling it: no parentheses.")
     else:
         ours = _is_users(attempt)  # a library function as the attempt: its errors are the learner's
+    checking = _checking.set(id)
     try:
         return Feedback(id, True, ex.checker(attempt))
     except NotYet as no:
@@ -124,6 +126,8 @@ def check(id: str, attempt: Callable) -> Feedback:
             raise CheckError(id, f"{type(err).__name__}: {err}",
                              "".join(traceback.format_exception(err))) from err
         return Feedback(id, False, f"your code raised {type(err).__name__}: {err}.", ex.hint)
+    finally:
+        _checking.reset(checking)
 
 
 class CheckError(RuntimeError):
@@ -148,11 +152,17 @@ def _is_users(attempt: Callable) -> bool:
 
 
 CHECK_PRELOAD = ("torch._dynamo",)
-"""What the checks' ranks import before they are forked. Most checks from chapter 5 on
-build DDP, FSDP or DTensor models, whose constructors import torch's compiler front end
-(DDP asks `torch._dynamo` which reducer to use): about 2 s of CPU in every fresh rank, and
-every check starts fresh ranks. Imported once in the checks' own forkserver instead, a
-check's ranks start without it (the exercise tests took about half the CPU)."""
+"""What the ranks of checks from chapter `PRELOAD_FROM` on import before they are forked.
+Those checks build DDP, FSDP or DTensor models, whose constructors import torch's compiler
+front end (DDP asks `torch._dynamo` which reducer to use): about 2 s of CPU in every fresh
+rank, and every check starts fresh ranks. Imported once in the checks' own forkserver
+instead, a check's ranks start without it (the exercise tests took about half the CPU).
+The checks of the chapters before run collectives only: they fork from the learner's own
+forkserver, already running, rather than start one more."""
+PRELOAD_FROM = 5
+
+_checking: ContextVar[str | None] = ContextVar("checking", default=None)
+"""The exercise `check` is running, for `ranks`."""
 
 
 def ranks(world_size: int, **kwargs):
@@ -163,7 +173,9 @@ def ranks(world_size: int, **kwargs):
     """
     from ddplab.pool import Pool
 
-    return Pool(world_size, quiet=True, preload=CHECK_PRELOAD, **kwargs)
+    id = _checking.get()
+    heavy = id is None or int(id.split(".")[0]) >= PRELOAD_FROM
+    return Pool(world_size, quiet=True, preload=CHECK_PRELOAD if heavy else (), **kwargs)
 
 
 LOAD_TIMEOUT = 60.0  # seconds the ranks may take to load an attempt (imports, on a busy machine)
