@@ -307,6 +307,9 @@ def test_a_module_that_cannot_be_preloaded_is_named():
         Pool(1, preload=["ddplab.no_such_module"])
     assert forkserver.running(preload=("ddplab.no_such_module",)) is None
     assert set(psutil.Process().children(recursive=True)) <= before
+    with Pool(1) as p:  # the failed server is dropped, not kept in another's place
+        assert p.run(rank_sum, 0) == [0]
+    assert not any(server.failed for server in forkserver._servers.values())
 
 
 # --- 8. init methods ---

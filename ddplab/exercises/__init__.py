@@ -170,12 +170,15 @@ def ranks(world_size: int, **kwargs):
 
     The checker's pool is separate from the learner's, so a check never disturbs the
     variables of the learner's ranks; its output is not shown (the verdict says it all).
+    Its ranks preload CHECK_PRELOAD for the checks of chapter PRELOAD_FROM on, and when
+    no check is running (a checker called directly); `preload=` overrides it.
     """
     from ddplab.pool import Pool
 
     id = _checking.get()
     heavy = id is None or int(id.split(".")[0]) >= PRELOAD_FROM
-    return Pool(world_size, quiet=True, preload=CHECK_PRELOAD if heavy else (), **kwargs)
+    kwargs.setdefault("preload", CHECK_PRELOAD if heavy else ())
+    return Pool(world_size, quiet=True, **kwargs)
 
 
 LOAD_TIMEOUT = 60.0  # seconds the ranks may take to load an attempt (imports, on a busy machine)

@@ -16,7 +16,8 @@ torch's fused kernel saves only its input and two statistics per token, where
 (Q·Kᵀ, softmax, ·V: the scores are stored, recomputation "none"), a GELU MLP (`gated`
 False: two FFN-wide tensors saved) and no dropout (`dropout` False: no masks). What it
 saves beyond the formula: each norm's mean and 1/σ (8 bytes a token), the token ids and
-targets (8 bytes a token each): under 1 % of the activations here.
+targets (8 bytes a token each), and under TP a byte a token for each of them saying which
+are the rank's: under 1 % of the activations here.
 
 The layouts a CPU pool runs, one at a time (no 2-D combinations): DP with DDP
 (`gradient_as_bucket_view`, so the ledger sees its buckets), ZeRO-1/2/3 with the kit's
@@ -188,6 +189,7 @@ class _VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from ddplab.parallel.tp import reduce_from_tp
 
+        _in_vocabulary(ids, self.weight.shape[0] * dist.get_world_size(), "token id")
         local = ids - self.start
         outside = (local < 0) | (local >= self.stop - self.start)
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
@@ -256,8 +258,19 @@ def vocab_parallel_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     from ddplab.parallel.tp import shard_range
 
     logits = logits.flatten(0, 1).float()
-    start, _ = shard_range(logits.shape[-1] * dist.get_world_size(), what="the vocabulary")
+    vocabulary = logits.shape[-1] * dist.get_world_size()
+    _in_vocabulary(target, vocabulary, "target")
+    start, _ = shard_range(vocabulary, what="the vocabulary")
     return _VocabParallelCrossEntropy.apply(logits, target.flatten(), start).mean()
+
+
+def _in_vocabulary(ids: torch.Tensor, vocabulary: int, what: str) -> None:
+    """Split by vocabulary, an id outside it belongs to no rank and would silently count as
+    zeros (the unsharded layers raise, or ignore -100): refuse it."""
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocabulary):
+        raise ValueError(f"a {what} outside the vocabulary [0, {vocabulary}): "
+                         f"{ids.min().item()} … {ids.max().item()}; the vocabulary-parallel "
+                         "layers take no ignored or padding ids")
 
 
 class _Send(torch.autograd.Function):

@@ -91,8 +91,8 @@ class Transformer:
         """Korthikanti et al. 2022's bytes saved by one layer for one micro-batch (bf16),
         the sequence split CP ways. With sequence parallelism (`sp`) everything is divided
         by TP; without it the norms' regions stay whole on every rank (their Table 2,
-        "tensor parallel": sbh(10 + 24/t + 5as/ht) for GPT), as torch's plain
-        `ColwiseParallel`/`RowwiseParallel` leave them."""
+        "tensor parallel": sbh(10 + 24/t + 5as/ht) for GPT), as Megatron-LM's TP, the
+        kit's by hand and torch's plain `ColwiseParallel`/`RowwiseParallel` leave them."""
         s, b, h = self.seq / cp, micro_batch, self.hidden
         whole = 1 if sp else tp  # what the norms' regions are divided by
         if recompute == "full":  # the layer's input only

@@ -126,6 +126,7 @@ class ForkServer:
     def __init__(self, setting: Setting = (), preload: Preload = ()) -> None:
         self.setting = setting
         self.preload = preload
+        self.failed = False  # its preload could not be imported: never to be started again
         self._lock = threading.RLock()
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
@@ -218,7 +219,8 @@ class ForkServer:
                     self.children.add(reply[1])
                     return reply[1]
                 except PreloadError:
-                    self.stop()  # the same import would fail again
+                    self.stop()
+                    self.failed = True  # the same import would fail again: `get` drops it
                     raise
                 except (ForkServerError, OSError):
                     if attempt == 2:
@@ -328,7 +330,7 @@ def _lifeline() -> int:
 def running(env: Mapping[str, str] | None = None, preload: Preload = ()) -> ForkServer | None:
     """The forkserver for `env` (default: this process's) and `preload` if one is running;
     never starts one."""
-    server = _servers.get((import_time(os.environ if env is None else env), preload))
+    server = _servers.get((import_time(os.environ if env is None else env), tuple(preload)))
     return server if server is not None and server.alive() else None
 
 
@@ -346,6 +348,9 @@ def get(env: Mapping[str, str] | None = None, preload: Preload = ()) -> ForkServ
     global _home, _previous
     key = (import_time(os.environ if env is None else env), tuple(preload))
     with _server_lock:
+        for failed in [k for k, s in _servers.items() if s.failed]:  # none to keep
+            del _servers[failed]
+            _home, _previous = (None if k == failed else k for k in (_home, _previous))
         if _home is None:
             _home = key
         keep = {_home, key, _previous}

@@ -92,7 +92,8 @@ class Pool:
             started again and again whose ranks all need one more heavy module: the
             exercise checks preload `torch._dynamo`, which DDP's and FSDP's constructors
             import, about 2 s of CPU a rank otherwise. Such pools get a forkserver of
-            their own, started once per kernel.
+            their own, kept while the kernel uses it or one other (`forkserver.get`).
+            A preloaded module must not start threads when imported (the server forks).
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", init_method: str | None = "env",
@@ -395,7 +396,7 @@ class Pool:
         if isinstance(preload, str) or not isinstance(preload, Iterable):
             raise PoolTypeError(f"preload must be a list of module names, not {preload!r}: "
                                 "write preload=['torch._dynamo'], not preload='torch._dynamo'")
-        names = tuple(preload)
+        names = tuple(dict.fromkeys(preload))  # each once, in order: one server per list
         bad = [name for name in names if not isinstance(name, str)
                or not all(part.isidentifier() for part in name.split("."))]
         if bad:
