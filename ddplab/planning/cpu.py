@@ -41,6 +41,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ddplab.parallel.tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tp,
+    reduce_from_tp,
+    shard_range,
+)
 from ddplab.planning.shapes import Layout, Transformer
 
 SHAPE = Transformer("a CPU transformer", layers=2, hidden=256, heads=4, kv_heads=4, ffn=1024,
@@ -169,8 +176,6 @@ class _SharedF(nn.Module):
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ddplab.parallel.tp import copy_to_tp
-
         return self.inner(copy_to_tp(x))
 
 
@@ -181,14 +186,10 @@ class _VocabParallelEmbedding(nn.Module):
 
     def __init__(self, full: nn.Embedding) -> None:
         super().__init__()
-        from ddplab.parallel.tp import shard_range
-
         self.start, self.stop = shard_range(full.num_embeddings, what="the vocabulary")
         self.weight = nn.Parameter(full.weight.detach()[self.start:self.stop].clone())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from ddplab.parallel.tp import reduce_from_tp
-
         _in_vocabulary(ids, self.weight.shape[0] * dist.get_world_size(), "token id")
         local = ids - self.start
         outside = (local < 0) | (local >= self.stop - self.start)
@@ -203,8 +204,6 @@ def _tensor_parallel(model: nn.Sequential, shape: Transformer) -> nn.Sequential:
     vocabulary; the logit layer column-parallel, by class (its loss is
     `vocab_parallel_loss`). The norms stay whole on every rank. Built from the unsharded
     model, so both start from the same weights."""
-    from ddplab.parallel.tp import ColumnParallelLinear, RowParallelLinear
-
     model.embed = _VocabParallelEmbedding(model.embed)
     for i in range(shape.layers):
         block = model.get_submodule(f"layer{i}")
@@ -255,8 +254,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """`loss_fn` for logits split by class over the ranks (the TP layout's logit layer is
     column-parallel): each rank passes its slice, every rank gets the same loss."""
-    from ddplab.parallel.tp import shard_range
-
     logits = logits.flatten(0, 1).float()
     vocabulary = logits.shape[-1] * dist.get_world_size()
     _in_vocabulary(target, vocabulary, "target")
