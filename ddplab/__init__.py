@@ -29,7 +29,7 @@ def __getattr__(name: str):
     if name == "Pool":  # a pool is coming: its forkserver imports torch meanwhile
         from ddplab.pool.kernel import forkserver
 
-        forkserver.get()
+        forkserver.prestart()
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ddplab' has no attribute {name!r}")

@@ -618,6 +618,18 @@ def test_warnings_on_the_ranks_name_files_without_this_machines_paths(pool, capf
     assert os.path.dirname(os.path.dirname(__file__)) not in err
 
 
+def _this_module_and_what_the_rank_started():
+    return __name__ in sys.modules, [" ".join(c.cmdline()) for c in psutil.Process().children()]
+
+
+def test_a_rank_importing_a_module_that_names_ddplab_pool_starts_no_forkserver(pool):
+    """A function defined in an importable module runs on the ranks by reference: each
+    rank imports the module (this one), whose `from ddplab import Pool` starts a
+    forkserver in the kernel, and must not start one in every rank (a second import of
+    torch each, for a pool that never comes: it took two thirds of this file's CPU)."""
+    assert pool.run(_this_module_and_what_the_rank_started) == [(True, [])] * 3
+
+
 @pytest.mark.slow
 def test_the_kernel_side_imports_neither_torch_nor_ipython_glue_it_does_not_need():
     code = ("import sys\n"

@@ -313,6 +313,7 @@ _home: _Key | None = None  # the key of the first server this process started
 _previous: _Key | None = None  # the last other key asked for
 _server_lock = threading.Lock()
 _lifeline_fds: tuple[int, int] | None = None
+_in_a_rank = False  # set in a rank as soon as it is forked (`_child`)
 
 
 def _lifeline() -> int:
@@ -365,6 +366,19 @@ def get(env: Mapping[str, str] | None = None, preload: Preload = ()) -> ForkServ
         return server
 
 
+def prestart() -> None:
+    """Start this process's server ahead of its first pool, so that torch is imported
+    meanwhile (what the first mention of `ddplab.Pool` does), except in a rank.
+
+    A rank that runs a function defined in an importable module imports that module to
+    unpickle it, and a module that says `from ddplab import Pool` would then start a
+    server in every rank: a second import of torch each (1 to 2 s of CPU), for a pool that
+    never comes.
+    """
+    if not _in_a_rank:
+        get()
+
+
 @atexit.register
 def _stop_all() -> None:
     for server in list(_servers.values()):
@@ -411,6 +425,8 @@ def _child(spec: dict, fds: list[int], closing: list[int], started_fd: int) -> N
     took 1.17 times torchrun's, and 0.99 with a session each (benchmarks/fsdp_sessions.py;
     benchmarks/RESULTS.md, "FSDP").
     """
+    global _in_a_rank
+    _in_a_rank = True
     code = 1
     try:
         os.setsid()
