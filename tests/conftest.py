@@ -133,39 +133,33 @@ NEEDS_LAUNCHERS = {"06b_launchers_clusters.ipynb"}
 """Chapters that start a real Slurm cluster and mpirun."""
 
 FILE_SECONDS = {
-    "06a_launchers_torchrun.ipynb": 300, "test_exercise_ddp_script.py": 250,
-    "05_ddp_mnist.ipynb": 175, "test_exercise_verdicts.py": 330,  # 05: was 215 (RESULTS.md)
-    "06b_launchers_clusters.ipynb": 200, "test_pool.py": 120, "test_train.py": 115,
-    "01_processes_and_ranks.ipynb": 85, "test_doctor.py": 85,
-    "07a_debugging_collectives.ipynb": 80, "test_exercises.py": 70, "test_browser.py": 70,
-    "08b_under_the_hood_ddp.ipynb": 60, "07b_debugging_ddp.ipynb": 55, "test_kernel.py": 55,
-    "08a_under_the_hood_ring.ipynb": 55, "test_project.py": 50, "test_bench.py": 45,
-    "test_widgets.py": 45, "04b_collectives_in_practice.ipynb": 40, "test_launchers.py": 40,
-    "03_point_to_point.ipynb": 30, "00_welcome.ipynb": 25, "04a_collectives.ipynb": 25,
-    "02_init_methods_and_backends.ipynb": 20, "test_viz.py": 15,
-    # chapter 9: from single runs of each file on the same loaded machine (2026-11-27)
-    "09a_sharding_by_hand.ipynb": 60, "09b_fsdp.ipynb": 60, "test_sharding.py": 60,
-    "test_viz_memory.py": 10, "test_planner.py": 10,
-    # chapter 10a (2026-11-27): the notebook takes 20 s of CPU (user + sys, all its
-    # processes) and ran in 69 s under a load of 15-20; test_tp.py 55 s under a load of 10-30
-    "10a_tensor_parallel.ipynb": 40, "test_tp.py": 40, "test_viz_placements.py": 8,
-    # chapter 10c: single runs on the same machine under a load of about 12-20
-    # (2026-11-27); the verdicts file above grew by 10.5's thirteen rows (about 115 s, a
-    # 3-rank pool each)
-    "10c_context_experts_2d.ipynb": 40, "test_ep.py": 60, "test_viz_routing.py": 12,
-    # chapter 10b: nbval 21-28 s at load 5 on 2 cores (2026-11-27)
-    "10b_pipeline_parallel.ipynb": 30, "test_pp.py": 20, "test_viz_schedules.py": 4,
-    # chapter 10d: single runs on this machine at a load average of 2 to 3 (2026-11-27):
-    # 10d executes in 12 s, nbval 14-19 s; test_planner_cpu 12-16 s
-    "10d_planning.ipynb": 20, "test_planner_cpu.py": 20, "test_viz_plans.py": 5,
+    "test_exercise_ddp_script.py": 201, "06a_launchers_torchrun.ipynb": 176,
+    "06b_launchers_clusters.ipynb": 128, "05_ddp_mnist.ipynb": 115,
+    "test_exercise_verdicts.py": 113, "test_pool.py": 80,
+    "07a_debugging_collectives.ipynb": 58, "test_train.py": 58, "test_exercises.py": 45,
+    "test_launchers.py": 44, "01_processes_and_ranks.ipynb": 41, "test_doctor.py": 31,
+    "test_browser.py": 25, "test_kernel.py": 24, "09b_fsdp.ipynb": 22,
+    "test_widgets.py": 22, "07b_debugging_ddp.ipynb": 20,
+    "08a_under_the_hood_ring.ipynb": 20, "08b_under_the_hood_ddp.ipynb": 18,
+    "09a_sharding_by_hand.ipynb": 17, "04b_collectives_in_practice.ipynb": 16,
+    "10b_pipeline_parallel.ipynb": 15, "10c_context_experts_2d.ipynb": 14,
+    "10a_tensor_parallel.ipynb": 14, "03_point_to_point.ipynb": 13,
+    "02_init_methods_and_backends.ipynb": 13, "test_project.py": 12, "test_bench.py": 10,
+    "04a_collectives.ipynb": 10, "test_sharding.py": 10, "10d_planning.ipynb": 9,
+    "test_planner_cpu.py": 8, "00_welcome.ipynb": 8, "test_faults.py": 6, "test_ep.py": 6,
+    "test_viz.py": 4, "test_tp.py": 4, "test_viz_memory.py": 4, "test_pp.py": 4,
+    "test_data.py": 2, "test_tracebacks.py": 2, "test_planner.py": 2,
+    "test_classroom.py": 2, "test_viz_placements.py": 1, "test_costmodel.py": 1,
+    "test_ring.py": 1, "test_viz_routing.py": 1,
 }
-"""Each file's test time, in seconds, on a loaded 2-core machine (the whole suite with
-`--durations=0`, 2026-11-27; 6b and the browser test, which need what that machine lacks,
-estimated from the reference machine's times): only their order matters. pytest-xdist
-(`--dist loadfile`) hands each worker a whole file at a time, in the order they are
-collected; started longest first, the long files cannot end up running alone at the end
-while the other worker idles (this cut the suite's wall time by a tenth). A file not
-listed (a new chapter) is placed as one of DEFAULT_SECONDS: add it with its time."""
+"""Each file's test time, in seconds: pass 1 of a clean-clone `.ci/run` (the whole suite,
+`--durations=0`, beside pass 2 on the same two cores, 2026-11-27); only their order
+matters. pytest-xdist (`--dist loadfile`) hands each worker a whole file at a time, in the
+order they are collected; started longest first, the long files cannot end up running
+alone at the end while the other worker idles (this cut the suite's wall time by a
+tenth; in the run these figures come from, 1,451 s of test time took 738 s on two
+workers). A file not listed is placed as one of DEFAULT_SECONDS if it is a notebook (a
+new chapter: add it with its time), last otherwise."""
 DEFAULT_SECONDS = 30
 
 
