@@ -191,8 +191,10 @@ def train(cfg: Config, on_log: Callable[[dict], None] | None = None) -> dict:
     # reference cycles, which only the interpreter's exit would free: gloo's objects torn
     # down that late abort the process ("terminate called without an active exception",
     # exit status 134 after a finished run: 5 of 23 fsdp runs under torchrun and mpirun on
-    # a 2-core machine). Free them now, while everything is still alive.
-    del model, optimizer
+    # a 2-core machine). Free them now, while everything is still alive: the model, its
+    # optimizer, and the last step's loss and logits, whose autograd graph holds FSDP's
+    # state too. (None, not del: a resumed run that is already done never set them.)
+    model = optimizer = loss = logits = x = y = None
     gc.collect()
     if created:
         dist.destroy_process_group()
