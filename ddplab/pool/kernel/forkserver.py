@@ -313,7 +313,7 @@ _home: _Key | None = None  # the key of the first server this process started
 _previous: _Key | None = None  # the last other key asked for
 _server_lock = threading.Lock()
 _lifeline_fds: tuple[int, int] | None = None
-_in_a_rank = False  # set in a rank as soon as it is forked (`_child`)
+_server_side = False  # True in a forkserver, and so in every rank it forks (`_serve`)
 
 
 def _lifeline() -> int:
@@ -368,14 +368,15 @@ def get(env: Mapping[str, str] | None = None, preload: Preload = ()) -> ForkServ
 
 def prestart() -> None:
     """Start this process's server ahead of its first pool, so that torch is imported
-    meanwhile (what the first mention of `ddplab.Pool` does), except in a rank.
+    meanwhile (what a mention of `ddplab.Pool` does), except in a server or a rank.
 
     A rank that runs a function defined in an importable module imports that module to
     unpickle it, and a module that says `from ddplab import Pool` would then start a
     server in every rank: a second import of torch each (1 to 2 s of CPU), for a pool that
-    never comes.
+    never comes. (A server importing such a module as a preload would start one that
+    every rank inherits.) A `Pool` made in a rank still gets a server when it starts.
     """
-    if not _in_a_rank:
+    if not _server_side:
         get()
 
 
@@ -425,8 +426,6 @@ def _child(spec: dict, fds: list[int], closing: list[int], started_fd: int) -> N
     took 1.17 times torchrun's, and 0.99 with a session each (benchmarks/fsdp_sessions.py;
     benchmarks/RESULTS.md, "FSDP").
     """
-    global _in_a_rank
-    _in_a_rank = True
     code = 1
     try:
         os.setsid()
@@ -480,6 +479,8 @@ def serve(sock_fd: int, lifeline_fd: int, preload: Iterable[str] = ()) -> None:
 
 def _serve(sock_fd: int, lifeline_fd: int, preload: Preload) -> None:
     """The server's loop: fork on request, report exits, leave when the kernel goes."""
+    global _server_side
+    _server_side = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=sock_fd)
     with _quiet_unless_failing():
