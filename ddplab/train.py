@@ -194,7 +194,7 @@ def train(cfg: Config, on_log: Callable[[dict], None] | None = None) -> dict:
     # a 2-core machine). Free them now, while everything is still alive: the model, its
     # optimizer, and the last step's loss and logits, whose autograd graph holds FSDP's
     # state too. (None, not del: a resumed run that is already done never set them.)
-    model = optimizer = loss = logits = x = y = None
+    model = optimizer = loss = logits = None
     gc.collect()
     if created:
         dist.destroy_process_group()

@@ -67,6 +67,11 @@ class Exercise:
     hint: str = ""  # shown when the attempt fails without a more specific hint
     takes: str = "function"  # or "script": the path of a .py file the check runs itself
 
+    @property
+    def chapter(self) -> int:
+        """The chapter the exercise belongs to: 5 for "5.4"."""
+        return int(self.id.split(".")[0])
+
 
 EXERCISES: dict[str, Exercise] = {}
 
@@ -109,7 +114,7 @@ def check(id: str, attempt: Callable) -> Feedback:
                         "pass the function's name without calling it: no parentheses.")
     else:
         ours = _is_users(attempt)  # a library function as the attempt: its errors are the learner's
-    checking = _checking.set(id)
+    checking = _checking.set(ex)
     try:
         return Feedback(id, True, ex.checker(attempt))
     except NotYet as no:
@@ -161,7 +166,7 @@ The checks of the chapters before run collectives only: they fork from the learn
 forkserver, already running, rather than start one more."""
 PRELOAD_FROM = 5
 
-_checking: ContextVar[str | None] = ContextVar("checking", default=None)
+_checking: ContextVar[Exercise | None] = ContextVar("checking", default=None)
 """The exercise `check` is running, for `ranks`."""
 
 
@@ -175,8 +180,8 @@ def ranks(world_size: int, **kwargs):
     """
     from ddplab.pool import Pool
 
-    id = _checking.get()
-    heavy = id is None or int(id.split(".")[0]) >= PRELOAD_FROM
+    ex = _checking.get()
+    heavy = ex is None or ex.chapter >= PRELOAD_FROM
     kwargs.setdefault("preload", CHECK_PRELOAD if heavy else ())
     return Pool(world_size, quiet=True, **kwargs)
 

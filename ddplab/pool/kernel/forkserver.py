@@ -328,10 +328,15 @@ def _lifeline() -> int:
     return _lifeline_fds[0]
 
 
+def _key(env: Mapping[str, str] | None, preload: Iterable[str]) -> _Key:
+    """Which server `env` (default: this process's environment) and `preload` call for."""
+    return import_time(os.environ if env is None else env), tuple(preload)
+
+
 def running(env: Mapping[str, str] | None = None, preload: Preload = ()) -> ForkServer | None:
     """The forkserver for `env` (default: this process's) and `preload` if one is running;
     never starts one."""
-    server = _servers.get((import_time(os.environ if env is None else env), tuple(preload)))
+    server = _servers.get(_key(env, preload))
     return server if server is not None and server.alive() else None
 
 
@@ -347,7 +352,7 @@ def get(env: Mapping[str, str] | None = None, preload: Preload = ()) -> ForkServ
     servers are stopped at once.
     """
     global _home, _previous
-    key = (import_time(os.environ if env is None else env), tuple(preload))
+    key = _key(env, preload)
     with _server_lock:
         for failed in [k for k, s in _servers.items() if s.failed]:  # none to keep
             del _servers[failed]
