@@ -90,6 +90,9 @@ def _run_lab(args: argparse.Namespace, extra: list[str]) -> int:
         # listens on 127.0.0.1 only and needs its token, so allowing root opens nothing.
         cmd.append("--ServerApp.allow_root=True")
     cmd += extra  # last, so the user's options win
+    from ddplab import kernels
+
+    kernels.use_ipc()  # the lab's kernels bind Unix sockets, not ports chosen before (why: there)
     print(f"ddplab: serving {notebooks}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     # Replace this process: Ctrl-C and signals reach JupyterLab directly, no wrapper remains.

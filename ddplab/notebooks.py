@@ -23,6 +23,8 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+from ddplab import kernels
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
@@ -57,6 +59,7 @@ def execute_notebook(path: Path, timeout: int = 600) -> float:
     Cell numbers in messages count every cell, markdown included, from 1.
     """
     path = Path(path)
+    kernels.use_ipc()  # no port race at the kernel's start (ddplab.kernels)
     nb = nbformat.read(path, as_version=4)
     # Widget state is rebuilt by the run; a stale one must not survive it.
     nb.metadata.pop("widgets", None)

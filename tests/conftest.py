@@ -1,5 +1,9 @@
 """Shared test fixtures: a real `ddplab lab` server, for the tests that talk to JupyterLab,
-and a one-node Slurm cluster, for the tests that run `srun` and `sbatch`."""
+and a one-node Slurm cluster, for the tests that run `srun` and `sbatch`.
+
+Every kernel the tests start (nbval's for the chapters, the tests' own, the lab's) talks to
+its client over Unix sockets, not over ports chosen before the kernel binds them
+(`ddplab.kernels` says why): `use_ipc()` below, before any kernel starts."""
 
 from __future__ import annotations
 
@@ -20,7 +24,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from ddplab import kernels
 from ddplab.launch import free_port
+
+kernels.use_ipc()  # before any kernel starts (nbval starts the chapters' as it collects them)
 
 if TYPE_CHECKING:
     from ddplab.slurm import LocalSlurm
