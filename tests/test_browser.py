@@ -14,33 +14,24 @@ DDPLAB_REQUIRE_BROWSER=1, which turns a missing browser into a failure, not a sk
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import signal
 from pathlib import Path
 
 import nbformat
 import psutil
 import pytest
+from browser_tools import chromium, missing, open_until_idle, run_all_cells
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-
-if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+if missing():
     if os.environ.get("DDPLAB_REQUIRE_BROWSER"):
-        raise RuntimeError("DDPLAB_REQUIRE_BROWSER is set but chromium/chromedriver are "
-                           "missing: apt-get install chromium chromium-driver")
-    pytest.skip("needs chromium and chromium-driver (apt-get install chromium "
-                "chromium-driver)", allow_module_level=True)
+        raise RuntimeError(f"DDPLAB_REQUIRE_BROWSER is set, but this test {missing()}")
+    pytest.skip(missing(), allow_module_level=True)
 
-webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.expected_conditions import staleness_of  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 CELL = """\
@@ -78,70 +69,8 @@ def lab(tmp_path: Path, start_lab):
 
 @pytest.fixture
 def browser(tmp_path: Path):
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--window-size=1400,1000",
-                 f"--user-data-dir={tmp_path / 'chromium'}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options,
-                              service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
-    try:
+    with chromium(tmp_path / "chromium") as driver:
         yield driver
-    finally:
-        driver.quit()
-
-
-def _click_menu(driver, *labels: str) -> None:
-    """Open the menu bar item labels[0], then click each following item by its label."""
-    wait = WebDriverWait(driver, 30)
-    menu = wait.until(lambda d: next(
-        (e for e in d.find_elements(By.CSS_SELECTOR, ".lm-MenuBar-itemLabel")
-         if e.text == labels[0]), None))
-    menu.click()
-    for label in labels[1:]:
-        wait.until(lambda d, label=label: next(
-            (e for e in d.find_elements(By.CSS_SELECTOR, ".lm-Menu-itemLabel")
-             if e.text == label), None)).click()
-
-
-def _accept_kernel_choice(driver) -> None:
-    """Take the preferred kernel when JupyterLab asks which kernel to start.
-
-    Under Python 3.10 (ipykernel 7.3, IPython 8) the lab opened the notebook before it had
-    listed the kernels, and showed its "Select Kernel" dialog with the notebook's own
-    kernel already chosen; a learner clicks Select, and so does this.
-    """
-    for dialog in driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog"):
-        if dialog.text.startswith("Select Kernel"):
-            dialog.find_element(By.CSS_SELECTOR, ".jp-Dialog-button.jp-mod-accept").click()
-            # This dialog gone (another may open meanwhile). A click the busy lab missed
-            # leaves it open: the callers' loops come back here and click again.
-            with contextlib.suppress(TimeoutException):
-                WebDriverWait(driver, 20).until(staleness_of(dialog))
-
-
-def _run_all_cells(driver) -> None:
-    """Run All Cells from the menu, again if the lab was not ready to take it yet.
-
-    Right after the page loads, the notebook's commands may still be disabled; the click
-    then does nothing, so check that the cell started (its prompt shows [*] or [1]).
-    """
-    def started(d) -> bool:
-        prompts = d.find_elements(By.CSS_SELECTOR, ".jp-InputArea-prompt")
-        return any(p.text.strip() in ("[*]:", "[1]:") for p in prompts)
-
-    for _ in range(6):
-        _accept_kernel_choice(driver)
-        driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)  # close any menu
-        _click_menu(driver, "Run", "Run All Cells")
-        try:
-            WebDriverWait(driver, 10).until(started)
-            return
-        except TimeoutException:
-            continue
-    raise AssertionError("Run All Cells never started the notebook's cell")
 
 
 def _panel_text(driver) -> str:
@@ -162,18 +91,9 @@ def _caption(driver) -> str:
 
 def test_the_explorer_and_the_stepper_work_in_a_real_lab(lab, browser, tmp_path):
     server = lab.server
-    browser.get(lab.url("/lab/tree/explorer.ipynb"))
+    open_until_idle(browser, lab.url("/lab/tree/explorer.ipynb"))
     wait = WebDriverWait(browser, 90)
-    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell"))
-
-    def idle(d):  # a kernel dialog shown while the lab starts must not stall the wait
-        _accept_kernel_choice(d)
-        return (d.find_elements(By.CSS_SELECTOR,
-                                ".jp-Notebook-ExecutionIndicator[data-status='idle']")
-                or d.find_elements(By.XPATH, "//*[contains(text(), 'Idle')]"))
-
-    wait.until(idle)
-    _run_all_cells(browser)
+    run_all_cells(browser)
 
     # The panel renders, with the first run's result: all_reduce SUM of arange on 2 ranks.
     wait.until(lambda d: "rank 0: [0, 1, 2, 3] → [4, 6, 8, 10]" in _panel_text(d))
