@@ -44,7 +44,7 @@ export UV_COMPILE_BYTECODE = 1
 STAMP := $(VENV)/.ddplab-setup
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test quick lint notebooks lock test-latest test-matrix clean
+.PHONY: help setup lab test quick stress lint notebooks lock test-latest test-matrix clean
 
 help: ## list the targets
 	@echo "make <target>   (variables: PYTHON VENV TORCH_INDEX LAB_ARGS PYTEST_ARGS PYTHONS)"
@@ -79,6 +79,11 @@ test: lint ## ruff and the import rules, then the unit tests and nbval over ever
 
 quick: setup ## the fast inner loop (under a minute): no chapters, browser, launchers, exercises or slow tests
 	$(VENV)/bin/pytest $(PYTEST_ARGS) -m "not notebook and not browser and not launchers and not exercises and not slow" tests
+
+# The stress harness's counts are benchmarks/RESULTS.md's; DDPLAB_STRESS_SCALE=0.1 runs a
+# tenth of each, DDPLAB_STRESS_TABLE=FILE also writes the table there.
+stress: setup ## the fragile sequences, hundreds of times each beside the whole suite as load (about an hour); a table at the end
+	$(VENV)/bin/pytest -p no:xdist -m stress tests/stress
 
 lint: setup ## ruff, and the package's import rules (pyproject.toml, [tool.importlinter])
 	$(VENV)/bin/ruff check .

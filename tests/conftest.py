@@ -177,6 +177,14 @@ def _longest_first(items: list) -> None:
                                                    if item.path.suffix == ".ipynb" else 0))
 
 
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """tests/stress runs only when asked for, with `-m stress` (`make stress`): it takes the
+    better part of an hour, and runs the whole suite beside itself as its load."""
+    if collection_path.name == "stress" and "stress" not in (config.getoption("markexpr") or ""):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """The files longest first (FILE_SECONDS: for pytest-xdist's workers, with
     `--no-loadscope-reorder`, else xdist orders the files by their number of items).

@@ -1,0 +1,162 @@
+"""The stress harness's two parts: a load like CI's, and a tally of runs and failures.
+
+`Load` runs the everyday suite (`pytest -n 2`, unit tests and every chapter) in the
+background, again each time it ends, for as long as the harness runs: the two cores are
+then as busy as in CI, with as many pools, stores, kernels and launchers starting, binding
+ports and dying beside the sequence under test.
+
+`Tally` counts one sequence's runs and failures and keeps each failure's message (ports,
+pids and times masked, so that one fault is listed once, with its count); `table()` prints
+every tally as the table benchmarks/RESULTS.md keeps.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+_VARYING = [(re.compile(p), r) for p, r in (
+    (r"\x1b\[[0-9;]*m", ""),                       # colours
+    (r"(127\.0\.0\.1|localhost)\]?:\d+", r"\1:PORT"),
+    (r"\bport:? \d+", "port PORT"),
+    (r"\bpid:? ?\d+", "pid N"),
+    (r"\b\d+(\.\d+)? ?(s|ms)\b", r"T \2"),
+    (r"/[^\s:\]]*/third_party/", "BUILD/third_party/"),
+    (r"\b(\w+\.(?:cpp|cc|h)):\d+", r"\1:N"),
+    (r"0x[0-9a-f]{6,}", "0xADDR"),
+)]
+
+
+def tidy(message: str, width: int = 160) -> str:
+    """The gist of a failure: its first line, with what differs from run to run masked."""
+    line = next((ln.strip() for ln in str(message).splitlines() if ln.strip()), "?")
+    for pattern, replacement in _VARYING:
+        line = pattern.sub(replacement, line)
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+@dataclass
+class Tally:
+    """One sequence: how often it ran, how often it failed, and how."""
+
+    sequence: str
+    planned: int
+    reference: bool = False  # a hazard measured for the record, not a sequence the kit runs
+    runs: int = 0
+    seconds: float = 0.0
+    failures: collections.Counter = field(default_factory=collections.Counter)
+    notes: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failures.values())
+
+    def run(self, once: Callable[[], str | None]) -> None:
+        """Run `once` `planned` times. It raises on a failure (the message is kept), and may
+        return a note: something seen that is not a failure (a masked log line, say)."""
+        for _ in range(self.planned):
+            started = time.monotonic()
+            try:
+                note = once()
+            except Exception as exc:  # every failure is counted, whatever it is
+                self.failures[tidy(f"{type(exc).__name__}: {exc}")] += 1
+            else:
+                if note:
+                    self.notes[tidy(note)] += 1
+            self.runs += 1
+            self.seconds += time.monotonic() - started
+
+
+TALLIES: list[Tally] = []
+"""Every sequence run in this session, in order: the table's rows."""
+
+
+def cpu_name() -> str:
+    """The processor, as /proc/cpuinfo names it (RESULTS.md names the CPU of every figure)."""
+    with open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else open(os.devnull) as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def table(tallies: list[Tally], load: Load | None = None) -> str:
+    """Markdown: sequence, runs, failures, and the failure messages seen (with counts)."""
+    rows = ["| sequence | runs | failures | messages seen |", "|---|---|---|---|"]
+    for t in tallies:
+        seen = [f"{n}× {m}" for m, n in t.failures.most_common()]
+        seen += [f"(not a failure) {n}× {m}" for m, n in t.notes.most_common()]
+        name = t.sequence + (" *(reference: a hazard, measured)*" if t.reference else "")
+        rows.append(f"| {name} | {t.runs} | {t.failed} | {'<br>'.join(seen) or '–'} |")
+    lines = [f"CPU: {cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}",
+             *rows]
+    if load is not None:
+        lines.append(f"\nLoad: {load.describe()}")
+    return "\n".join(lines)
+
+
+class Load:
+    """The everyday suite, `pytest -n 2`, run again and again in the background.
+
+    Started in a session of its own and stopped with everything it started (the pools,
+    kernels and launchers of the tests it was running) when the harness ends.
+    """
+
+    def __init__(self, log_dir: Path, command: list[str] | None = None) -> None:
+        self.command = command or [
+            sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile",
+            "--no-loadscope-reorder", "-q", "-p", "no:cacheprovider"]
+        self.log_dir = log_dir
+        self.finished: list[str] = []  # each finished run's summary line
+        self._proc: subprocess.Popen | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="stress-load", daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            log = self.log_dir / f"load-{n}.log"
+            with open(log, "wb") as out:
+                self._proc = subprocess.Popen(self.command, cwd=REPO, stdout=out,
+                                              stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL,
+                                              start_new_session=True)
+                code = self._proc.wait()
+            if not self._stop.is_set():
+                last = log.read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
+                self.finished.append(f"{tidy(last[0])} (exit status {code})")
+
+    def describe(self) -> str:
+        command = " ".join(["python", *self.command[1:]])
+        runs = "; ".join(self.finished) or "none finished"
+        return (f"`{command}` in the background, {len(self.finished)} whole run(s) "
+                f"finished: {runs}")

@@ -1,0 +1,231 @@
+"""The fragile sequences, each repeated beside the load (`make stress`; see conftest.py).
+
+- chapter 2's learner `init_process_group` right after a deadline's rebuild, and right
+  after `pool.restart()`: the chapter's own cells, read from the notebook;
+- the pool's own start and restart, which no longer retry anything;
+- a Jupyter kernel's start, over the transport this run's kernels use;
+- chapter 6a's two-node torchrun runs, the static and the c10d rendezvous;
+- the browser test's lab start, until the notebook's first cell has run;
+- and, for the record, the hazard chapter 2 teaches: ranks that leave a group right after
+  `init_process_group`, beside the same ranks leaving after a barrier.
+
+Every sequence but the hazard must not fail once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import nbformat
+import pytest
+from harness import REPO
+
+from ddplab import Pool
+from ddplab.launch import free_port
+from ddplab.pool.errors import RankTimeout
+
+pytestmark = [pytest.mark.stress, pytest.mark.timeout(4 * 3600)]  # runs for many minutes
+
+CHAPTER2 = REPO / "notebooks" / "02_init_methods_and_backends.ipynb"
+LAUNCHERS = REPO / "notebooks" / "launchers"
+
+
+def code_cells_from(notebook: Path, marker: str, count: int = 2) -> list[str]:
+    """The code cell of `notebook` that contains `marker`, and the code cells after it."""
+    cells = [c.source for c in nbformat.read(notebook, as_version=4).cells
+             if c.cell_type == "code"]
+    first = next(i for i, source in enumerate(cells) if marker in source)
+    return cells[first:first + count]
+
+
+def run_ranks_cell(pool: Pool, source: str) -> None:
+    """A `%%ranks [-t SECONDS]` cell, run as the magic runs it."""
+    line, _, body = source.partition("\n")
+    words = shlex.split(line)
+    assert words[0] == "%%ranks", line
+    timeout = float(words[words.index("-t") + 1]) if "-t" in words else None
+    pool.exec_cell(body, timeout=timeout)
+
+
+def test_a_learners_init_right_after_a_deadlines_rebuild(load, tally):
+    hang, init = code_cells_from(CHAPTER2, 'init_process_group("gloo", world_size=5)')
+    row = tally("chapter 2: a 3 s deadline rebuilds the pool, then the learner's "
+                "init_process_group (env://)", 200)
+
+    def once() -> None:
+        try:
+            run_ranks_cell(pool, hang)
+        except RankTimeout:
+            pass
+        else:
+            raise AssertionError("the world_size=5 cell did not hang")
+        run_ranks_cell(pool, init)
+
+    with Pool(4, init_method=None, quiet=True) as pool:
+        row.run(once)
+    assert row.failed == 0, row.failures
+
+
+def test_a_learners_init_right_after_a_restart(load, tally):
+    _, init = code_cells_from(CHAPTER2, "pool.restart()\npool.push(port=free_port())")
+    row = tally("chapter 2: pool.restart(), then the learner's init_process_group (tcp://)",
+                200)
+
+    def once() -> None:
+        pool.restart()
+        pool.push(port=free_port())
+        run_ranks_cell(pool, init)
+
+    with Pool(4, init_method=None, quiet=True) as pool:
+        row.run(once)
+    assert row.failed == 0, row.failures
+
+
+@pytest.mark.parametrize("leave", ["at once", "after dist.barrier()"])
+def test_ranks_that_leave_right_after_init(load, tally, leave):
+    """Chapter 2, "Leave together": the hazard itself, measured (it is not a sequence the
+    kit runs: nothing in it leaves a group without a collective first), and its fix."""
+    between = "dist.barrier()\n" if leave != "at once" else ""
+    row = tally(f"4 ranks join with init_process_group, then leave {leave}", 200,
+                reference=leave == "at once")
+
+    def once() -> None:
+        pool.restart()
+        pool.exec_cell(f'dist.init_process_group("gloo")\n{between}'
+                       "dist.destroy_process_group()")
+
+    with Pool(4, init_method=None, quiet=True) as pool:
+        row.run(once)
+    if not row.reference:
+        assert row.failed == 0, row.failures
+
+
+def test_the_pools_own_start_and_restart(load, tally):
+    start = tally("Pool(4) starts (its group: env://), one all_reduce, shutdown", 200)
+    restart = tally("pool.restart() of a Pool(4), then one all_reduce", 200)
+    cell = "x = torch.ones(1)\ndist.all_reduce(x)\nassert x.item() == world_size"
+
+    def started() -> None:
+        with Pool(4, quiet=True) as pool:
+            pool.exec_cell(cell)
+
+    start.run(started)
+    with Pool(4, quiet=True) as pool:
+        def restarted() -> None:
+            pool.restart()
+            pool.exec_cell(cell)
+
+        restart.run(restarted)
+    assert start.failed == restart.failed == 0, (start.failures, restart.failures)
+
+
+def test_kernel_starts(load, tally):
+    from jupyter_client import KernelManager
+
+    chosen = os.environ.get("JUPYTER_DEFAULT_PROVISIONER_NAME", "local-provisioner")
+    transport = "ipc" if chosen == "ddplab-ipc" else "tcp"
+    row = tally(f"a Jupyter kernel starts and answers: transport {transport} "
+                f"(provisioner {chosen})", 300)
+
+    def once() -> None:
+        km = KernelManager(kernel_name="python3")
+        km.start_kernel()
+        kc = km.client()
+        try:
+            kc.start_channels()
+            kc.wait_for_ready(timeout=60)
+            reply = kc.execute_interactive("1 + 1", timeout=60)
+            assert reply["content"]["status"] == "ok", reply["content"]
+            assert km.transport == transport, km.transport
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+
+    row.run(once)
+    assert row.failed == 0, row.failures
+
+
+@pytest.fixture(scope="module")
+def shell():
+    from ddplab.data import save_subset
+    from ddplab.shell import Shell
+
+    sh = Shell(cwd=LAUNCHERS, hide=[r" \(\d+\.\d+ s\)"])
+    save_subset(sh.runs / "mnist", train=512, test=256)
+    sh.env.update(DATA=str(sh.runs / "mnist"), MASTER_ADDR="127.0.0.1", NNODES="2")
+    return sh
+
+
+def _notes(done: dict) -> str | None:
+    """torchrun's exit-barrier note, if a node printed it: not a failure (the chapter folds
+    it into one line that nbval leaves out), but worth counting."""
+    from ddplab.shell import EXIT_BARRIER_NOTE, fold_exit_barrier_race
+
+    said = "".join(fold_exit_barrier_race(d.stderr) for d in done.values())
+    return EXIT_BARRIER_NOTE if EXIT_BARRIER_NOTE in said else None
+
+
+@pytest.mark.launchers
+def test_chapter_6a_two_node_torchrun_runs(load, tally, shell):
+    static = tally("chapter 6a: two torchrun nodes, static rendezvous, train 2 epochs", 30)
+    c10d = tally("chapter 6a: two torchrun nodes, c10d rendezvous, whoami.py", 30)
+    train = "--epochs 2 --data $DATA --out $RUNS/two-nodes"
+
+    def static_once() -> str | None:
+        shell.env["MASTER_PORT"] = str(free_port())
+        done = shell.together({"node 1": f"NODE_RANK=1 ./torchrun_node.sh {train}",
+                               "node 0": f"sleep 2; NODE_RANK=0 ./torchrun_node.sh {train}"},
+                              show=False, check=False)
+        bad = {n: d.returncode for n, d in done.items() if d.returncode}
+        assert not bad, f"exit status {bad}: {done['node 0'].stderr[-300:]}"
+        assert "epoch 2" in done["node 0"].stdout, done["node 0"].stdout[-300:]
+        return _notes(done)
+
+    def c10d_once() -> str | None:
+        shell.env["MASTER_PORT"] = str(free_port())
+        command = ("torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d "
+                   "--rdzv_endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv_id=demo whoami.py")
+        done = shell.together({"A": command, "B": command}, show=False, check=False)
+        bad = {n: d.returncode for n, d in done.items() if d.returncode}
+        assert not bad, f"exit status {bad}: {done['A'].stderr[-300:]}"
+        ranks = sorted(json.loads(line)["variables"]["RANK"] for d in done.values()
+                       for line in d.stdout.splitlines() if line.startswith("{"))
+        assert ranks == ["0", "1", "2", "3"], ranks
+        return _notes(done)
+
+    static.run(static_once)
+    c10d.run(c10d_once)
+    assert static.failed == c10d.failed == 0, (static.failures, c10d.failures)
+
+
+@pytest.mark.browser
+def test_the_browser_tests_lab_start(load, tally, start_lab, tmp_path):
+    from browser_tools import chromium, missing, open_until_idle, run_all_cells
+
+    if missing():
+        pytest.skip(missing())
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    cell = "from ddplab import Pool\n\npool = Pool(2)\npool.run(lambda: 21 * 2)"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    nb.metadata["kernelspec"] = {"display_name": "Python 3 (ipykernel)",
+                                 "language": "python", "name": "python3"}
+    nbformat.write(nb, notebooks / "start.ipynb")
+    row = tally("the browser test's lab: ddplab lab starts, Chromium opens a notebook, its "
+                "kernel is idle, its cell runs on a pool", 20)
+
+    def once() -> None:
+        with start_lab(tmp_path) as lab, chromium(tmp_path / "chromium") as driver:
+            open_until_idle(driver, lab.url("/lab/tree/start.ipynb"))
+            run_all_cells(driver)
+            WebDriverWait(driver, 90).until(lambda d: "[42, 42]" in " ".join(
+                e.text for e in d.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")))
+
+    row.run(once)
+    assert row.failed == 0, row.failures
