@@ -53,6 +53,9 @@ class Done:
     stderr: str
 
 
+_PYTHON_ALIAS = re.compile(r"(\$VENV/bin/python)3(?:\.\d+)?\b")
+
+
 class CommandFailed(RuntimeError):
     """A command meant to succeed exited with a non-zero status (its output was shown)."""
 
@@ -79,8 +82,12 @@ class Shell:
                     "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
         self._shown = {str(self.runs): "$RUNS",
                        sysconfig.get_paths()["purelib"]: "site-packages",
-                       str(Path(sys.executable).parent.parent): "$VENV",
                        str(self.cwd): "."}
+        # This environment, however this Python was named when it started (`../venv/bin/
+        # python` leaves the ".." in sys.executable; a launcher's own shebang has none).
+        for executable in (sys.executable, os.path.abspath(sys.executable)):
+            self._shown[str(Path(executable).parent.parent)] = "$VENV"
+        self._shown[sys.prefix] = "$VENV"
 
     def __call__(self, command: str, *, check: bool = True, timeout: float = TIMEOUT,
                  show: bool = True) -> Done:
@@ -137,6 +144,9 @@ class Shell:
         and what `hide` matches left out."""
         for path, name in sorted(self._shown.items(), key=lambda item: -len(item[0])):
             text = text.replace(path, name)
+        # One interpreter, whichever of its names started a program (python, python3,
+        # python3.12): the venv's own, from `python -m venv`, uv, conda or pip.
+        text = _PYTHON_ALIAS.sub(r"\1", text)
         for pattern in self.hide:
             text = pattern.sub("", text)
         return text

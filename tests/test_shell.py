@@ -98,3 +98,20 @@ def test_hide_leaves_what_varies_out_of_what_is_shown_but_not_out_of_done(capsys
         sh.close()
     assert capsys.readouterr().out.splitlines()[-1] == "epoch 1/2: loss 0.5"
     assert done.stdout == "epoch 1/2: loss 0.5 (0.4 s)\n"
+
+
+@pytest.mark.parametrize("name", ["python", "python3", f"python3.{sys.version_info[1]}"])
+def test_this_environment_is_shown_as_venv_whatever_the_interpreter_was_called(
+        name, monkeypatch):
+    """A launcher's report names the interpreter its own script starts with (torchrun's
+    "binary: .../bin/python3"): however the venv was made and this Python was started, the
+    chapter shows one name for it. `../venv/bin/python` leaves the ".." in sys.executable."""
+    prefix = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
+    unnormalized = os.path.join(prefix, "bin", "..", "bin", "python")
+    monkeypatch.setattr(sys, "executable", unnormalized)
+    sh = Shell()
+    try:
+        shown = sh.tidy(f"of binary: {prefix}/bin/{name}\nand {unnormalized}")
+    finally:
+        sh.close()
+    assert shown == "of binary: $VENV/bin/python\nand $VENV/bin/python"
