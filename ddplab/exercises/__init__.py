@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddplab.pool import tracebacks
 from ddplab.pool.errors import RankError, RankTimeout, ranks_text
@@ -38,6 +38,10 @@ class Feedback:
     passed: bool
     message: str
     hint: str = ""
+    # What the ranks raised, whole (every rank's traceback, a hang's stacks), when the
+    # verdict is "your code failed on the ranks": the learner reads the message, a test
+    # that expected a pass shows this.
+    error: BaseException | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         if self.passed:
@@ -125,7 +129,8 @@ def check(id: str, attempt: Callable) -> Feedback:
             raise CheckError(id, first.headline(), first.full_traceback) from None
         what = first.headline() if first else str(err).splitlines()[0]
         return Feedback(id, False, f"your code failed on the ranks: {what}.",
-                        "run it on the pool yourself to see the full traceback; " + ex.hint)
+                        "run it on the pool yourself to see the full traceback; " + ex.hint,
+                        error=err)
     except Exception as err:  # raised in the notebook itself: by the attempt, or the check
         if ours and not tracebacks.passed_through_user_code(err):
             raise CheckError(id, f"{type(err).__name__}: {err}",
