@@ -107,6 +107,41 @@ def table(tallies: list[Tally], load: Load | None = None) -> str:
     return "\n".join(lines)
 
 
+PORT_CHURN = """
+import collections, socket, sys, time
+held, size, period = collections.deque(), int(sys.argv[1]), float(sys.argv[2])
+while True:
+    while len(held) < size:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        held.append(s)
+    for _ in range(size // 10):
+        held.popleft().close()
+    time.sleep(period)
+"""
+
+
+class PortChurn:
+    """Another program that holds `size` listening ports on 127.0.0.1, ports the operating
+    system picks, and gives back and takes a tenth of them every `period` seconds: a busy
+    machine's ports (a room's pools and stores, a CI runner's jobs) made dense enough that
+    a race on a chosen port shows in a few hundred tries instead of a few thousand."""
+
+    def __init__(self, size: int = 2000, period: float = 0.05) -> None:
+        self.size, self.period = size, period
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> PortChurn:
+        self._proc = subprocess.Popen([sys.executable, "-c", PORT_CHURN, str(self.size),
+                                       str(self.period)], start_new_session=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._proc.kill()
+        self._proc.wait()
+
+
 class Load:
     """The everyday suite, `pytest -n 2`, run again and again in the background.
 
