@@ -55,8 +55,9 @@ def rank_env(environ: Mapping[str, str], rank: int, world_size: int,
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it).
 
-    Between choosing and binding it another program may take it: callers that bind it
-    (the pool) retry with a fresh one.
+    Between choosing and binding it another program may take it. The pool's own groups
+    never use it for that reason (`listening_socket`); it is the port of a group the
+    learner or a launcher makes, whose server is started by code the kit does not own.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

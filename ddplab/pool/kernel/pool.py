@@ -38,10 +38,6 @@ from ddplab.pool.timeouts import DEFAULT as DEFAULT_TIMEOUTS
 from ddplab.pool.timeouts import Timeouts
 
 BACKENDS = ("gloo", "nccl")
-# Start-up errors worth a second try with a fresh port: the free port was taken between
-# choosing and binding it, or gloo's loopback mesh lost a connection on a loaded machine.
-_TRANSIENT = ("address already in use", "connectfullmesh failed", "connection closed by peer",
-              "connection refused", "connection reset by peer")
 INIT_METHODS = ("env", "tcp", "file", None)
 
 _started: list[weakref.ref[Pool]] = []  # every pool, oldest first
@@ -292,26 +288,31 @@ class Pool:
     # --- starting ---
 
     def _start(self) -> None:
-        """Fork the ranks and join their process group; transient failures are retried."""
-        for attempt in range(3):
-            self._procs.start()
-            if self.init_method is None:
-                return
-            outcome = calls.run(self._procs, calls.Plan(
-                protocol.INIT_PROCESS_GROUP, (), {}, list(range(self.world_size)),
-                self.timeout), self.timeouts)
-            if not (outcome.failures or outcome.stuck or outcome.interrupted):
-                return
-            self._procs.kill()
-            text = " ".join(f.message for f in outcome.failures.values()).lower()
-            if attempt < 2 and any(sign in text for sign in _TRANSIENT):
-                continue
-            if outcome.interrupted:
-                raise KeyboardInterrupt
-            raise RankError(outcome.failures, outcome.stuck, restarted=False,
-                            reason=f"The process group ({self.backend}, init_method="
-                                   f"{self.init_method!r}) could not be initialized.",
-                            simultaneous=self.timeouts.simultaneous)
+        """Fork the ranks and join their process group, once: nothing here is left to chance.
+
+        The store's port is listening before any rank starts (`rendezvous.listening_socket`),
+        so no other program can take it and no rank is refused; gloo's own sockets are bound
+        before their addresses are published. A failure is a real one, and is raised.
+        (Earlier versions retried on "connection closed by peer": that was a learner's
+        group destroyed on one rank before another had finished joining it, chapter 2's
+        "Leaving a group", never a pool's own start; benchmarks/RESULTS.md, "Nothing left
+        to chance".)
+        """
+        self._procs.start()
+        if self.init_method is None:
+            return
+        outcome = calls.run(self._procs, calls.Plan(
+            protocol.INIT_PROCESS_GROUP, (), {}, list(range(self.world_size)),
+            self.timeout), self.timeouts)
+        if not (outcome.failures or outcome.stuck or outcome.interrupted):
+            return
+        self._procs.kill()
+        if outcome.interrupted:
+            raise KeyboardInterrupt
+        raise RankError(outcome.failures, outcome.stuck, restarted=False,
+                        reason=f"The process group ({self.backend}, init_method="
+                               f"{self.init_method!r}) could not be initialized.",
+                        simultaneous=self.timeouts.simultaneous)
 
     # --- one call ---
 
