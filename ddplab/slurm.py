@@ -91,7 +91,10 @@ def _die_with_parent() -> None:
 def _config(directory: Path, host: str, ports: tuple[int, int], cpus: int) -> str:
     user = getpass.getuser()
     return "\n".join([
-        "ClusterName=ddplab",
+        # A name of its own (its controller's port): a job's id is unique only within its
+        # cluster, and ddplab.launch derives a job's port from both (two clusters side by
+        # side, a chapter's and a test's, each number their jobs from 1).
+        f"ClusterName=ddplab{ports[0]}",
         f"SlurmctldHost={host}(127.0.0.1)",
         "AuthType=auth/none",  # no munge: one machine, one user
         "CredType=cred/none",

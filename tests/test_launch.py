@@ -58,6 +58,16 @@ def test_an_srun_task():
     assert detect({**SLURM, "MASTER_PORT": "12345"}).master_port == 12345
 
 
+def test_one_job_id_in_two_clusters_gets_two_ports_below_the_ephemeral_range():
+    """A job's id is unique only within its cluster: two private Slurm clusters side by
+    side (a chapter's and a test's) both run a job 1, at once."""
+    ports = {detect({**SLURM, "SLURM_JOB_ID": "1", "SLURM_CLUSTER_NAME": name}).master_port
+             for name in ("ddplab40001", "ddplab40002", "")}
+    assert len(ports) == 3, ports
+    jobs = [detect({**SLURM, "SLURM_JOB_ID": str(j)}).master_port for j in range(1, 2000)]
+    assert all(20000 <= port < 32768 for port in jobs), (min(jobs), max(jobs))
+
+
 def test_a_batch_script_itself_is_not_an_srun_task():
     # sbatch's script runs once, as SLURM_PROCID=0, with no step: it is one process.
     batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "7"}

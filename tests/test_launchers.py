@@ -322,6 +322,22 @@ def test_whoami_under_srun(cluster, tmp_path):
     assert_whoami(done, "slurm")
 
 
+def test_two_clusters_side_by_side_give_their_job_1s_two_ports(tmp_path):
+    """A chapter's private cluster and a test's run at once, each numbering its jobs from
+    1: their jobs must not derive one port (they did, and one job's rank 0 found the port
+    taken, or a rank reached the other job's store)."""
+    require(local_slurm.missing())
+    with LocalSlurm() as one, LocalSlurm() as other:
+        found = []
+        for cluster in (one, other):
+            done = run(["srun", "--ntasks=1", "python", "whoami.py"],
+                       environment(tmp_path, SLURM_CONF=str(cluster.conf)), QUICK_TIMEOUT)
+            assert done.returncode == 0, done
+            found.append(json_lines(done.stdout)[0])
+    assert [f["variables"]["SLURM_JOB_ID"] for f in found] == ["1", "1"], found
+    assert found[0]["detect"]["master_port"] != found[1]["detect"]["master_port"], found
+
+
 def test_a_batch_script_of_two_tasks_without_srun_is_refused(cluster, tiny, tmp_path):
     script = tmp_path / "no_srun.sbatch"
     script.write_text("#!/usr/bin/env bash\n"

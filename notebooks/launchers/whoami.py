@@ -21,7 +21,7 @@ from ddplab.launch import LaunchError, detect
 PREFIXES = ("RANK", "LOCAL_", "WORLD_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_",
             "OMPI_COMM_WORLD_", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
             "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST",
-            "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "PMIX_RANK")
+            "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", "PMIX_RANK")
 
 variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(PREFIXES)}
 try:
