@@ -29,9 +29,20 @@ FAULTS: dict[str, str] = {
     "op": "reduces with MAX instead of SUM",
     "order": "broadcasts before it all_reduces",
     "late": "arrives `late` seconds after the others",
-    "dead": "exits before the all_reduce",
+    "dead": "exits before the all_reduce, while the others wait in theirs",
 }
 """What the victim does wrong, by the fault's name."""
+
+
+DYING = 0.5
+"""Seconds the dead victim lives on, so that it dies while the others wait in the all_reduce.
+
+Dying sooner makes what rank 0 reports a race. Under TORCH_DISTRIBUTED_DEBUG=DETAIL, rank 0
+waiting in the check's monitored barrier when the victim dies names rank 1 as missing; rank 0
+arriving there after its gloo thread has seen the connection close fails on the closed
+connection instead, without naming anyone (5 of 30 tries on a loaded 2-core machine, with
+no wait). Half a second is many times what a loaded machine takes to bring the others there.
+"""
 
 
 def step(fault: str | None = None, victim: int = 1, late: float = 3.0) -> dict:
@@ -54,6 +65,7 @@ def step(fault: str | None = None, victim: int = 1, late: float = 3.0) -> dict:
     flag = torch.tensor([1 if rank == 0 else 0])
     losses = [torch.zeros(1) for _ in range(world_size)]
     if me == "dead":
+        time.sleep(DYING)  # the others are waiting in their all_reduce when it dies
         os._exit(1)
     if me == "late":
         time.sleep(late)
