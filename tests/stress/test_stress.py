@@ -6,6 +6,10 @@
 - a Jupyter kernel's start, over the transport this run's kernels use, also beside another
   program's dense, changing ports;
 - chapter 6a's two-node torchrun runs, the static and the c10d rendezvous;
+- chapter 6b's Slurm jobs while another private cluster runs its own (a test's, under
+  `pytest -n 2`), each numbering its jobs from 1;
+- chapter 7a's dead rank under TORCH_DISTRIBUTED_DEBUG=DETAIL, whose row of the table must
+  read the same every time;
 - the browser test's lab start, until the notebook's first cell has run;
 - and, for the record, the hazard chapter 2 teaches: ranks that leave a group right after
   `init_process_group`, beside the same ranks leaving after a barrier.
@@ -19,6 +23,8 @@ import contextlib
 import json
 import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -206,6 +212,60 @@ def test_chapter_6a_two_node_torchrun_runs(load, tally, shell):
     static.run(static_once)
     c10d.run(c10d_once)
     assert static.failed == c10d.failed == 0, (static.failures, c10d.failures)
+
+
+@pytest.mark.launchers
+def test_chapter_6b_slurm_jobs_beside_another_cluster(load, tally, tmp_path):
+    """Two private clusters, each running its job N at the same moment: the same job id."""
+    from ddplab import slurm
+    from ddplab.data import save_subset
+
+    if slurm.missing():
+        pytest.skip(slurm.missing())
+    row = tally("chapter 6b: srun trains 2 ranks in each of two private Slurm clusters at "
+                "once, both at the same job id", 30)
+    save_subset(tmp_path / "mnist", train=512, test=256)
+    bin_ = Path(sys.executable).parent  # the tasks' `python`: this venv's
+    train = ["srun", "--ntasks=2", "python", "-m", "ddplab.train", "--epochs", "1",
+             "--data", str(tmp_path / "mnist")]
+
+    with slurm.LocalSlurm() as one, slurm.LocalSlurm() as other:
+        def once() -> None:
+            started = [subprocess.Popen(train, env={**c.env, "OMP_NUM_THREADS": "1", "PATH":
+                                                    f"{bin_}{os.pathsep}{os.environ['PATH']}"},
+                                        cwd=tmp_path, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True) for c in (one, other)]
+            for proc in started:
+                out, err = proc.communicate(timeout=300)
+                assert proc.returncode == 0, f"exit status {proc.returncode}: {err[-300:]}"
+                assert "done: 2 ranks (slurm)" in out, out[-300:]
+                # Nothing else on stderr (no warning of a lost store) but srun's own news
+                # when a job waits for the last one's CPUs: "srun: job 13 queued and ...".
+                said = [line for line in err.splitlines() if not line.startswith("srun: job ")]
+                assert not said, "\n".join(said)[-300:]
+
+        row.run(once)
+    assert row.failed == 0, row.failures
+
+
+def test_chapter_7a_a_dead_rank_under_detail(load, tally):
+    """Chapter 7a's DETAIL table, row "dead": rank 0 must name rank 1 every time."""
+    from ddplab import faults
+
+    row = tally("chapter 7a: a victim dies under TORCH_DISTRIBUTED_DEBUG=DETAIL, rank 0 "
+                "names it", 100)
+    expected = {0: "error: names rank 1 as missing", 1: "died: exited with code 1",
+                2: "stuck in all_reduce()"}
+    with Pool(3, timeout=30, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as pool:
+        pool.error_grace, pool.quiet = 1.0, True  # as the chapter's cells set them
+
+        def once() -> None:
+            seen = faults.attempt(pool, "dead", timeout=2, late=3).seen
+            assert seen == expected, seen
+
+        row.run(once)
+    assert row.failed == 0, row.failures
 
 
 @pytest.mark.browser
