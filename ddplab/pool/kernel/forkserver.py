@@ -225,7 +225,10 @@ class ForkServer:
                 except (ForkServerError, OSError):
                     if attempt == 2:
                         raise
-                    self.stop()  # a dead server is replaced once, transparently
+                    # The one retry here: the server died (killed by the learner, the OOM
+                    # killer, a crash in an import), a fault from outside that cannot be
+                    # prevented, only replaced, once (docs/architecture.md, "Retries that stay").
+                    self.stop()
 
     def poll_exits(self) -> None:
         """File any exit reports that have arrived, without blocking."""
