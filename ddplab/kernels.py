@@ -24,8 +24,8 @@ over ipc. `use_ipc()` makes it the default for every kernel this process and its
 start (JupyterLab's, nbval's, nbclient's, a test's `KernelManager`) through
 `JUPYTER_DEFAULT_PROVISIONER_NAME`, jupyter_client's documented switch, so none of them is
 changed or wrapped. tcp stays where a user needs it: a variable the user set wins, a kernel
-spec that names its own provisioner keeps it, and a manager configured for an address
-other than this machine's is left alone.
+spec that names its own provisioner keeps it, a kernel other than ipykernel keeps tcp, and
+a manager configured for an address other than this machine's is left alone.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ PRIVATE_FOLDER_PREFIX = "ddplab-kernel-"
 
 def fits(prefix: str) -> bool:
     """Whether the sockets `<prefix>-1` to `<prefix>-5` have paths Unix accepts."""
-    return len(prefix) + len("-99") <= MAX_SOCKET_PATH
+    return len(os.fsencode(prefix)) + len("-99") <= MAX_SOCKET_PATH  # bytes, not characters
 
 
 def ipc_prefix(connection_file: str) -> str | None:
@@ -68,12 +68,20 @@ def ipc_prefix(connection_file: str) -> str | None:
     return os.path.join(tempfile.mkdtemp(prefix=PRIVATE_FOLDER_PREFIX), "k")
 
 
+def speaks_ipc(argv: list[str]) -> bool:
+    """Whether a kernel spec's command starts ipykernel, which binds the ipc addresses its
+    connection file names. Other kernels (IRkernel, IJulia) may build `tcp://ip:port` from
+    the file whatever its transport: they keep tcp."""
+    return any("ipykernel" in word for word in argv)
+
+
 class IpcProvisioner(LocalProvisioner):
     """Jupyter's local provisioner, with the kernel's channels on Unix sockets."""
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         km = self.parent
-        if km is not None and km.transport == "tcp" and is_local_ip(km.ip):
+        if (km is not None and km.transport == "tcp" and is_local_ip(km.ip)
+                and speaks_ipc(self.kernel_spec.argv)):
             if not km.connection_file:  # a lone manager (nbval, nbclient) names none
                 runtime = jupyter_runtime_dir()
                 os.makedirs(runtime, mode=0o700, exist_ok=True)
@@ -84,6 +92,14 @@ class IpcProvisioner(LocalProvisioner):
                 km.ip = prefix
                 km.cache_ports = False  # the port cache binds tcp ports; ipc takes none
         return await super().pre_launch(**kwargs)
+
+    def _finalize_env(self, env: dict[str, str]) -> None:
+        """The kernel's environment, without our default: its own children (a Jupyter of
+        another environment, started from a cell) choose a provisioner afresh, and ours
+        may not be installed where they look."""
+        super()._finalize_env(env)
+        if env.get(DEFAULT_PROVISIONER_VARIABLE) == PROVISIONER:
+            del env[DEFAULT_PROVISIONER_VARIABLE]
 
     async def cleanup(self, restart: bool = False) -> None:
         """After Jupyter has removed the sockets: a private folder of ours goes too (a

@@ -65,6 +65,13 @@ def test_sockets_sit_beside_the_connection_file_or_in_a_private_folder_if_too_de
         folder.rmdir()
 
 
+def test_only_ipykernel_is_switched_to_ipc():
+    """Other kernels may build tcp://ip:port from the connection file whatever it says."""
+    assert kernels.speaks_ipc([sys.executable, "-m", "ipykernel_launcher", "-f", "{c}"])
+    assert not kernels.speaks_ipc(["R", "--slave", "-e", "IRkernel::main()", "--args", "{c}"])
+    assert not kernels.speaks_ipc(["julia", "-i", "--color=yes", "kernel.jl", "{c}"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("deep", [False, True], ids=["runtime folder", "private folder"])
 def test_a_kernel_manager_starts_restarts_and_cleans_up_over_ipc(deep, monkeypatch):
@@ -88,13 +95,19 @@ def test_a_kernel_manager_starts_restarts_and_cleans_up_over_ipc(deep, monkeypat
         said: list[dict] = []
         reply = kc.execute_interactive(ASK, timeout=30, output_hook=said.append)
         assert reply["content"]["status"] == "ok"
+        # The kernel's own children choose a provisioner afresh: ours is not passed on.
+        asked = kc.execute_interactive(
+            f"import os; print(os.environ.get({kernels.DEFAULT_PROVISIONER_VARIABLE!r}))",
+            timeout=30, output_hook=said.append)
+        assert asked["content"]["status"] == "ok"
         km.restart_kernel(now=True)
         kc.wait_for_ready(timeout=60)
         assert kc.execute_interactive("1", timeout=30)["content"]["status"] == "ok"
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-    assert [m["content"]["text"] for m in said if m["msg_type"] == "stream"] == ["ipc\n"]
+    assert [m["content"]["text"] for m in said if m["msg_type"] == "stream"] == ["ipc\n",
+                                                                                 "None\n"]
     assert list(runtime.iterdir()) == []  # sockets and connection file gone
     assert set(Path(tempfile.gettempdir()).glob(kernels.PRIVATE_FOLDER_PREFIX + "*")) \
         == private_before
