@@ -82,6 +82,10 @@ class ForkServerError(RuntimeError):
     """The forkserver could not be started or stopped answering."""
 
 
+class ForkServerDied(ForkServerError):
+    """The forkserver's process ended (killed from outside, or a crash)."""
+
+
 class PreloadError(ForkServerError):
     """A module the pool asked the forkserver to preload could not be imported."""
 
@@ -192,7 +196,7 @@ class ForkServer:
                 msg, _ = _recv(self._sock)
             except (EOFError, OSError) as e:
                 code = self._proc.poll() if self._proc else None
-                raise ForkServerError(
+                raise ForkServerDied(
                     f"the forkserver died ({doing}; exit status {code}). Its error output "
                     "went to the terminal that runs Jupyter.") from e
             if msg[0] == "exit":
@@ -222,12 +226,14 @@ class ForkServer:
                     self.stop()
                     self.failed = True  # the same import would fail again: `get` drops it
                     raise
-                except (ForkServerError, OSError):
+                except (ForkServerDied, OSError):  # OSError: a write to a closed socket
                     if attempt == 2:
                         raise
                     # The one retry here: the server died (killed by the learner, the OOM
                     # killer, a crash in an import), a fault from outside that cannot be
-                    # prevented, only replaced, once (docs/architecture.md, "Retries that stay").
+                    # prevented, only replaced, once (docs/architecture.md, "Retries that
+                    # stay"). A server that is alive but slow is not replaced: its
+                    # ForkServerError ("did not answer in time") is raised.
                     self.stop()
 
     def poll_exits(self) -> None:
