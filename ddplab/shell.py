@@ -53,7 +53,7 @@ class Done:
     stderr: str
 
 
-_PYTHON_ALIAS = re.compile(r"(\$VENV/bin/python)3(?:\.\d+)?\b")
+_PYTHON_ALIAS = re.compile(r"(\$VENV/bin/python)3(?:\.\d+)?(?![\w-])")  # not python3-config
 
 
 class CommandFailed(RuntimeError):

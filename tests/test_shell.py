@@ -112,6 +112,8 @@ def test_this_environment_is_shown_as_venv_whatever_the_interpreter_was_called(
     sh = Shell()
     try:
         shown = sh.tidy(f"of binary: {prefix}/bin/{name}\nand {unnormalized}")
+        other = sh.tidy(f"{prefix}/bin/python3-config")  # another program: its own name
     finally:
         sh.close()
     assert shown == "of binary: $VENV/bin/python\nand $VENV/bin/python"
+    assert other == "$VENV/bin/python3-config"
