@@ -13,6 +13,7 @@ every tally as the table benchmarks/RESULTS.md keeps.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import platform
 import re
@@ -145,8 +146,9 @@ class PortChurn:
 class Load:
     """The everyday suite, `pytest -n 2`, run again and again in the background.
 
-    Started in a session of its own and stopped with everything it started (the pools,
-    kernels and launchers of the tests it was running) when the harness ends.
+    Started in a session of its own and stopped when the harness ends: Ctrl-C first (SIGINT
+    to its process group), so that pytest runs its teardown and the tests' pools, clusters
+    and folders go; whatever is left after a minute is killed.
     """
 
     def __init__(self, log_dir: Path, command: list[str] | None = None) -> None:
@@ -157,6 +159,7 @@ class Load:
         self.finished: list[str] = []  # each finished run's summary line
         self._proc: subprocess.Popen | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # no new run starts once __exit__ has looked
         self._thread = threading.Thread(target=self._loop, name="stress-load", daemon=True)
 
     def __enter__(self) -> Load:
@@ -164,15 +167,16 @@ class Load:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        proc = self._proc
+        with self._lock:
+            self._stop.set()
+            proc = self._proc
         if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            os.killpg(proc.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=60)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # anything its teardown left
+            proc.wait()
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
@@ -181,10 +185,13 @@ class Load:
             n += 1
             log = self.log_dir / f"load-{n}.log"
             with open(log, "wb") as out:
-                self._proc = subprocess.Popen(self.command, cwd=REPO, stdout=out,
-                                              stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL,
-                                              start_new_session=True)
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    self._proc = subprocess.Popen(self.command, cwd=REPO, stdout=out,
+                                                  stderr=subprocess.STDOUT,
+                                                  stdin=subprocess.DEVNULL,
+                                                  start_new_session=True)
                 code = self._proc.wait()
             if not self._stop.is_set():
                 last = log.read_text(errors="replace").strip().splitlines()[-1:] or ["?"]

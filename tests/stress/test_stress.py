@@ -144,17 +144,20 @@ def test_kernel_starts(load, tally, ports):
 
     def once() -> None:
         km = KernelManager(kernel_name="python3")
-        km.start_kernel()
-        kc = km.client()
+        kc = None
         try:
+            km.start_kernel()
+            kc = km.client()
             kc.start_channels()
             kc.wait_for_ready(timeout=60)
             reply = kc.execute_interactive("1 + 1", timeout=60)
             assert reply["content"]["status"] == "ok", reply["content"]
             assert km.transport == transport, km.transport
         finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
+            if kc is not None:
+                kc.stop_channels()
+            if km.has_kernel:
+                km.shutdown_kernel(now=True)
 
     with PortChurn() if ports else contextlib.nullcontext():
         row.run(once)
@@ -166,10 +169,10 @@ def shell():
     from ddplab.data import save_subset
     from ddplab.shell import Shell
 
-    sh = Shell(cwd=LAUNCHERS, hide=[r" \(\d+\.\d+ s\)"])
-    save_subset(sh.runs / "mnist", train=512, test=256)
-    sh.env.update(DATA=str(sh.runs / "mnist"), MASTER_ADDR="127.0.0.1", NNODES="2")
-    return sh
+    with Shell(cwd=LAUNCHERS, hide=[r" \(\d+\.\d+ s\)"]) as sh:  # $RUNS removed after
+        save_subset(sh.runs / "mnist", train=512, test=256)
+        sh.env.update(DATA=str(sh.runs / "mnist"), MASTER_ADDR="127.0.0.1", NNODES="2")
+        yield sh
 
 
 def _notes(done: dict) -> str | None:
@@ -231,19 +234,32 @@ def test_chapter_6b_slurm_jobs_beside_another_cluster(load, tally, tmp_path):
 
     with slurm.LocalSlurm() as one, slurm.LocalSlurm() as other:
         def once() -> None:
-            started = [subprocess.Popen(train, env={**c.env, "OMP_NUM_THREADS": "1", "PATH":
-                                                    f"{bin_}{os.pathsep}{os.environ['PATH']}"},
-                                        cwd=tmp_path, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True) for c in (one, other)]
-            for proc in started:
-                out, err = proc.communicate(timeout=300)
-                assert proc.returncode == 0, f"exit status {proc.returncode}: {err[-300:]}"
-                assert "done: 2 ranks (slurm)" in out, out[-300:]
-                # Nothing else on stderr (no warning of a lost store) but srun's own news
-                # when a job waits for the last one's CPUs: "srun: job 13 queued and ...".
-                said = [line for line in err.splitlines() if not line.startswith("srun: job ")]
-                assert not said, "\n".join(said)[-300:]
+            path = f"{bin_}{os.pathsep}{os.environ['PATH']}"
+            started = []
+            try:
+                for c in (one, other):
+                    started.append(subprocess.Popen(
+                        train, env={**c.env, "OMP_NUM_THREADS": "1", "PATH": path},
+                        cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True))
+                for proc in started:
+                    out, err = proc.communicate(timeout=300)
+                    assert proc.returncode == 0, f"exit status {proc.returncode}: {err[-300:]}"
+                    assert "done: 2 ranks (slurm)" in out, out[-300:]
+                    # Nothing else on stderr (no warning of a lost store) but srun's own
+                    # news when a job waits for the last one's CPUs ("srun: job 13 queued").
+                    said = [line for line in err.splitlines()
+                            if not line.startswith("srun: job ")]
+                    assert not said, "\n".join(said)[-300:]
+            finally:  # a failed try leaves no step behind for the next to queue after
+                for proc in started:
+                    if proc.poll() is None:
+                        proc.terminate()  # srun passes it on to the step's tasks
+                        try:
+                            proc.communicate(timeout=30)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.communicate()
 
         row.run(once)
     assert row.failed == 0, row.failures
