@@ -41,7 +41,8 @@ Dying sooner makes what rank 0 reports a race. Under TORCH_DISTRIBUTED_DEBUG=DET
 waiting in the check's monitored barrier when the victim dies names rank 1 as missing; rank 0
 arriving there after its gloo thread has seen the connection close fails on the closed
 connection instead, without naming anyone (5 of 30 tries on a loaded 2-core machine, with
-no wait). Half a second is many times what a loaded machine takes to bring the others there.
+no wait). Half a second is a margin, not a guarantee: it is many times what a loaded machine
+took to bring the others there (0 of 100 beside the whole suite, tests/stress).
 """
 
 
