@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,11 +75,11 @@ def test_only_ipykernel_is_switched_to_ipc():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("deep", [False, True], ids=["runtime folder", "private folder"])
-def test_a_kernel_manager_starts_restarts_and_cleans_up_over_ipc(deep, monkeypatch):
+def test_a_kernel_manager_starts_restarts_and_cleans_up_over_ipc(deep, monkeypatch, request):
     """Started, asked, restarted and shut down, it leaves no socket, file or folder."""
-    runtime = Path(tempfile.mkdtemp(prefix="rt-"))  # short, unlike pytest's tmp_path
-    if deep:
-        runtime = runtime / ("d" * 60)
+    top = Path(tempfile.mkdtemp(prefix="rt-"))  # short, unlike pytest's tmp_path
+    request.addfinalizer(lambda: shutil.rmtree(top, ignore_errors=True))
+    runtime = top / ("d" * 60) if deep else top
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
     private_before = set(Path(tempfile.gettempdir()).glob(kernels.PRIVATE_FOLDER_PREFIX + "*"))
     km = KernelManager(kernel_name="python3")
@@ -111,7 +112,6 @@ def test_a_kernel_manager_starts_restarts_and_cleans_up_over_ipc(deep, monkeypat
     assert list(runtime.iterdir()) == []  # sockets and connection file gone
     assert set(Path(tempfile.gettempdir()).glob(kernels.PRIVATE_FOLDER_PREFIX + "*")) \
         == private_before
-    runtime.rmdir()
 
 
 @pytest.mark.slow
