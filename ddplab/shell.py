@@ -53,6 +53,11 @@ class Done:
     stderr: str
 
 
+# srun's news when a job had to wait for the node (the last job still completing, on a
+# busy machine: 3 of 40 back-to-back sruns beside four busy loops). Whether it shows
+# depends on timing, and it is the scheduler's news, not the job's output: left out.
+_SRUN_NEWS = re.compile(r"^srun: job \d+ (?:queued and waiting for resources|"
+                        r"has been allocated resources)\n", re.MULTILINE)
 _PYTHON_ALIAS = re.compile(r"(\$VENV/bin/python)3(?:\.\d+)?(?![\w-])")  # not python3-config
 
 
@@ -141,12 +146,13 @@ class Shell:
 
     def tidy(self, text: str) -> str:
         """`text` with this machine's paths replaced by what they are ($RUNS, site-packages),
-        and what `hide` matches left out."""
+        srun's news of a wait for the node and what `hide` matches left out."""
         for path, name in sorted(self._shown.items(), key=lambda item: -len(item[0])):
             text = text.replace(path, name)
         # One interpreter, whichever of its names started a program (python, python3,
         # python3.12): the venv's own, from `python -m venv`, uv, conda or pip.
         text = _PYTHON_ALIAS.sub(r"\1", text)
+        text = _SRUN_NEWS.sub("", text)
         for pattern in self.hide:
             text = pattern.sub("", text)
         return text
