@@ -56,7 +56,7 @@ class Done:
 # srun's news when a job had to wait for the node (the last job still completing, on a
 # busy machine: 3 of 40 back-to-back sruns beside four busy loops). Whether it shows
 # depends on timing, and it is the scheduler's news, not the job's output: left out.
-_SRUN_NEWS = re.compile(r"^srun: job \d+ (?:queued and waiting for resources|"
+SRUN_NEWS = re.compile(r"^srun: job \d+ (?:queued and waiting for resources|"
                         r"has been allocated resources)\n", re.MULTILINE)
 _PYTHON_ALIAS = re.compile(r"(\$VENV/bin/python)3(?:\.\d+)?(?![\w-])")  # not python3-config
 
@@ -152,7 +152,7 @@ class Shell:
         # One interpreter, whichever of its names started a program (python, python3,
         # python3.12): the venv's own, from `python -m venv`, uv, conda or pip.
         text = _PYTHON_ALIAS.sub(r"\1", text)
-        text = _SRUN_NEWS.sub("", text)
+        text = SRUN_NEWS.sub("", text)
         for pattern in self.hide:
             text = pattern.sub("", text)
         return text
