@@ -21,10 +21,11 @@ are the rank's: under 1 % of the activations here.
 
 The layouts a CPU pool runs, one at a time (no 2-D combinations): DP with DDP
 (`gradient_as_bucket_view`, so the ledger sees its buckets), ZeRO-1/2/3 with the kit's
-`ZeroAdam`, TP by hand with chapter 10a's layers (column-parallel Q, K, V and first MLP
-layer, row-parallel output projection and second MLP layer, the embedding split by
-vocabulary and the logits by class with a vocabulary-parallel loss: Megatron-LM's layout,
-without sequence parallelism: `Layout(sp=False)`; not torch's `parallelize_module`, whose
+`ZeroAdam`, TP by hand with chapter 10a's layers (`ddplab.parallel.tp`: column-parallel
+Q, K, V and first MLP layer, row-parallel output projection and second MLP layer, the
+embedding split by vocabulary (`VocabParallelEmbedding`) and the logits by class with
+`vocab_parallel_cross_entropy`: Megatron-LM's layout, without sequence parallelism:
+`Layout(sp=False)`; not torch's `parallelize_module`, whose
 DTensor dispatch, in Python on every call, adds a fixed cost to each step that a GPU hides
 behind its kernels and a CPU cannot), and PP by hand: two or more stages of whole layers,
 GPipe's schedule (every micro-batch's forward, then every backward), the activation sent
@@ -44,9 +45,9 @@ from torch import nn
 from ddplab.parallel.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
+    VocabParallelEmbedding,
     copy_to_tp,
-    reduce_from_tp,
-    shard_range,
+    vocab_parallel_cross_entropy,
 )
 from ddplab.planning.shapes import Layout, Transformer
 
@@ -179,32 +180,14 @@ class _SharedF(nn.Module):
         return self.inner(copy_to_tp(x))
 
 
-class _VocabParallelEmbedding(nn.Module):
-    """This rank's rows of the embedding table (a slice of the vocabulary): a token outside
-    them looks up zeros, and g's all-reduce adds the ranks' lookups, so each token gets its
-    one row (Megatron-LM's `VocabParallelEmbedding`). The gradient stays split."""
-
-    def __init__(self, full: nn.Embedding) -> None:
-        super().__init__()
-        self.start, self.stop = shard_range(full.num_embeddings, what="the vocabulary")
-        self.weight = nn.Parameter(full.weight.detach()[self.start:self.stop].clone())
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _in_vocabulary(ids, self.weight.shape[0] * dist.get_world_size(), "token id")
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.stop - self.start)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0))
-
-
 def _tensor_parallel(model: nn.Sequential, shape: Transformer) -> nn.Sequential:
     """Megatron-LM's layout, by hand, with chapter 10a's layers (`ddplab.parallel.tp`):
     each block's Q, K, V and first MLP layer column-parallel behind one f each, its output
     projection and second MLP layer row-parallel with their g; the embedding split by
-    vocabulary; the logit layer column-parallel, by class (its loss is
-    `vocab_parallel_loss`). The norms stay whole on every rank. Built from the unsharded
+    vocabulary (`VocabParallelEmbedding`); the logit layer column-parallel, by class (its
+    loss is `vocab_parallel_loss`). The norms stay whole on every rank. Built from the unsharded
     model, so both start from the same weights."""
-    model.embed = _VocabParallelEmbedding(model.embed)
+    model.embed = VocabParallelEmbedding(model.embed)
     for i in range(shape.layers):
         block = model.get_submodule(f"layer{i}")
         attn = block.attn
@@ -217,57 +200,11 @@ def _tensor_parallel(model: nn.Sequential, shape: Transformer) -> nn.Sequential:
     return model
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of logits split by class, token by token (Megatron-LM's
-    `_VocabParallelCrossEntropy`): the softmax's maximum, its sum and the target's logit
-    each gathered with one all-reduce, so no rank ever holds the whole vocabulary's
-    logits. It keeps for the backward only this rank's slice of the softmax (fp32), the
-    targets' places and which of them are this rank's: autograd's own ops would also keep
-    the logits (`gather` saves its input), twice what the planner counts."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int) -> torch.Tensor:
-        width = logits.shape[-1]
-        peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        softmax = (logits - peak.unsqueeze(-1)).exp_()
-        total = softmax.sum(dim=-1)
-        dist.all_reduce(total)
-        local = target - start
-        inside = (local >= 0) & (local < width)
-        local = local.clamp(0, width - 1)
-        picked = logits.gather(1, local.unsqueeze(-1)).squeeze(-1) - peak
-        picked = picked.masked_fill_(~inside, 0.0)
-        dist.all_reduce(picked)  # each token's target logit, from the rank that holds it
-        softmax.div_(total.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, inside)
-        return total.log_() - picked
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        softmax, local, inside = ctx.saved_tensors
-        grad_logits = softmax.clone()  # softmax − one-hot(target), times the loss's gradient
-        grad_logits[torch.arange(len(local)), local] -= inside.to(grad_logits.dtype)
-        return grad_logits.mul_(grad.unsqueeze(-1)), None, None
-
-
 def vocab_parallel_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """`loss_fn` for logits split by class over the ranks (the TP layout's logit layer is
-    column-parallel): each rank passes its slice, every rank gets the same loss."""
-    logits = logits.flatten(0, 1).float()
-    vocabulary = logits.shape[-1] * dist.get_world_size()
-    _in_vocabulary(target, vocabulary, "target")
-    start, _ = shard_range(vocabulary, what="the vocabulary")
-    return _VocabParallelCrossEntropy.apply(logits, target.flatten(), start).mean()
-
-
-def _in_vocabulary(ids: torch.Tensor, vocabulary: int, what: str) -> None:
-    """Split by vocabulary, an id outside it belongs to no rank and would silently count as
-    zeros (the unsharded layers raise, or ignore -100): refuse it."""
-    if ids.numel() and (ids.min() < 0 or ids.max() >= vocabulary):
-        raise ValueError(f"a {what} outside the vocabulary [0, {vocabulary}): "
-                         f"{ids.min().item()} … {ids.max().item()}; the vocabulary-parallel "
-                         "layers take no ignored or padding ids")
+    column-parallel): chapter 10a's `vocab_parallel_cross_entropy`, in fp32. Each rank
+    passes its slice, every rank gets the same loss."""
+    return vocab_parallel_cross_entropy(logits.float(), target)
 
 
 class _Send(torch.autograd.Function):
