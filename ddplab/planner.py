@@ -26,9 +26,13 @@ formula leaves out. The formulas:
   their 72Bslh²(1 + s/6h + V/12lh); full recomputation adds one forward of the layers
   (their 96 coefficient). Model FLOPs (for MFU, as Chowdhery et al. 2022, PaLM, appendix B)
   exclude recomputation; hardware FLOPs include it.
-- **Compute time** = hardware FLOPs / (peak × efficiency): `efficiency` is one number per
-  GPU type (see `GPUS`), the fraction of the datasheet's peak that a transformer's kernels
-  sustain. For a measured cluster it is 1: the FLOP/s given is already what a matmul got.
+- **Compute time** = hardware FLOPs / (peak × efficiency) + `overhead` per layer and
+  micro-batch: two numbers per GPU type (see `GPUS`), fitted on measured steps (the H100's
+  and H200's on an H200's own steps, `ddplab.planning.steps`; the A100's on Megatron-LM's
+  runs). The overhead, a layer's cost whatever its width, is what makes a narrow model's
+  efficiency lower: 47 % of peak at hidden 2,048, 56 % at 8,192, as measured. For a
+  measured cluster the efficiency is 1 and the overhead 0: the FLOP/s given is already
+  what a matmul got.
 - **Communication** is chapter 8a's α–β model (`ddplab.costmodel.Model`): a ring
   all-reduce of S bytes on n ranks takes 2(n − 1)(α + S/n·β); a ring reduce-scatter or
   all-gather is its first or second half. What overlaps, a deliberately simple model:
@@ -53,15 +57,28 @@ formula leaves out. The formulas:
 Parameters, gradients and optimizer state follow the mixed-precision Adam accounting of
 ZeRO (Rajbhandari et al. 2020): 2Ψ bf16 parameters, 2Ψ bf16 gradients, 12Ψ fp32 master
 weights and Adam moments, sharded by ZeRO stage over the data-parallel ranks (times CP:
-those ranks hold the same parameters). A fixed `reserved` line (the CUDA context, NCCL's
-buffers, the allocator's fragmentation) sits beside the ledger's four categories.
+those ranks hold the same parameters); and, unless gradients accumulate in bf16
+(`Layout.grad_dtype`), 4Ψ of fp32 gradients beside them (Megatron-LM's and picotron's
+`main_grad`, FSDP2 reducing in fp32, DeepSpeed's BF16 optimizer: the Playbook's 20Ψ; a
+framework that adds each bf16 gradient into the fp32 one and frees it at once, as
+Megatron-LM's backward hook does, holds 2Ψ less), reduced in fp32 too. Under gradient
+accumulation ZeRO-2 and 3 either reduce-scatter after every micro-batch (charged m times,
+each beside its backward) or hold the gradients whole until the last (charged in memory),
+and ZeRO-3 gathers its weights for every micro-batch's forward and backward or keeps them
+(`Layout.grad_sync`, `Layout.keep_weights`). Eager PyTorch saves 1.27 times the formula's
+activations, compiled blocks 1.06 times (`Layout.kernels`, measured on an H200). A fixed
+`reserved` line (the CUDA context, NCCL's buffers, the allocator's fragmentation) sits
+beside the ledger's categories. `--framework` (`ddplab.planning.frameworks`) says which of
+these options the user's software has.
 
-It leaves out, on purpose: for the GPU presets, memory-bound kernels (norms, softmax) whose
-share grows as the hidden size shrinks; GEMM efficiency that depends on shape; contention
-between groups; stragglers. `benchmarks/RESULTS.md` shows what that costs against
-published runs. No torch is imported: `ddplab plan` starts as fast as the package import.
+It leaves out, on purpose: how the overhead changes with the tokens of a micro-batch (all
+but one measured step had 4,096 tokens; the 8,192-token one is within 5 %); the
+optimizer's own pass (folded into the fit); contention between groups; stragglers.
+`benchmarks/RESULTS.md` shows what that costs against published runs. No torch is
+imported: `ddplab plan` starts as fast as the package import.
 """
 
+from ddplab.planning.frameworks import FRAMEWORKS, Framework
 from ddplab.planning.predict import (
     NEAR,
     Plan,
@@ -75,7 +92,9 @@ from ddplab.planning.predict import (
 )
 from ddplab.planning.shapes import (
     CATEGORIES,
+    FP32_GRADS,
     GPUS,
+    KERNELS,
     MODELS,
     RECOMPUTE,
     RESERVED,
@@ -86,7 +105,7 @@ from ddplab.planning.shapes import (
     Transformer,
 )
 
-__all__ = ["CATEGORIES", "GPUS", "MODELS", "NEAR", "RECOMPUTE", "RESERVED", "SCHEDULES",
-           "Cluster", "GiB", "Layout", "Plan", "Search", "Transformer", "calibrated", "layouts",
-           "plan",
-           "resolve", "search", "with_efficiency"]
+__all__ = ["CATEGORIES", "FP32_GRADS", "FRAMEWORKS", "GPUS", "KERNELS", "MODELS", "NEAR",
+           "RECOMPUTE", "RESERVED", "SCHEDULES", "Cluster", "Framework", "GiB", "Layout",
+           "Plan", "Search", "Transformer", "calibrated", "layouts", "plan", "resolve",
+           "search", "with_efficiency"]
