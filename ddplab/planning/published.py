@@ -185,6 +185,26 @@ def crossed() -> list[tuple[Published, float, float]]:
     return out
 
 
+def h200_table() -> str:
+    """The H200's measured steps beside the planner's (its H200 preset): step time and
+    bytes saved per layer, predicted ÷ measured, and the MFU each step reached."""
+    from ddplab.planning import steps
+
+    rows = []
+    for s in steps.STEPS:
+        p = s.predict(GPUS["h200"])
+        rows.append((s.model.name, s.model.layers, s.mode, f"{s.seconds * 1e3:.1f}",
+                     f"{p.step * 1e3:.1f}", f"{p.step / s.seconds:.2f}",
+                     f"{s.saved_per_layer / 2**20:,.0f}", f"{s.saved_predicted() / 2**20:,.0f}",
+                     f"{s.saved_predicted() / s.saved_per_layer:.2f}",
+                     f"{p.mfu * p.step / s.seconds:.0%}"))
+    return ("One H200, one process (the steps the H100 and H200 presets were fitted on: "
+            "eager; the others predicted):\n" + format_table(
+                rows, header=["shape", "layers", "mode", "step ms", "predicted", "ratio",
+                              "saved MiB/layer", "predicted", "ratio", "MFU measured"],
+                rule=True, align="<><>>>>>>>"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -213,6 +233,8 @@ def main() -> None:
         ratio = got / run.tflops
         print(f"  {run.source}: efficiency {efficiency:.3f}, {got:.0f} TFLOP/s, ratio "
               f"{ratio:.2f} {'✓' if abs(ratio - 1) <= TOLERANCE else '✗'}")
+    print()
+    print(h200_table())
     for v in (1, 2, 8):
         for run in LLAMA3:
             alt = replace(run, layout=replace(run.layout, interleave=v))
