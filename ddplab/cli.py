@@ -302,6 +302,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measured", nargs=4, type=float, metavar=("ALPHA", "BETA", "FLOPS", "BYTES"),
                    help="a measured cluster instead of --gpu: α (s), β (s/byte), a matmul's "
                         "FLOP/s, memory per rank in bytes")
+    p.add_argument("--calibrate", nargs="?", const="auto", choices=("auto", "cpu", "cuda"),
+                   metavar="DEVICE",
+                   help="time a matmul and a decoder's step on this machine (its GPU if "
+                        "torch sees one, else the CPU; or name cpu or cuda) and plan with "
+                        "its FLOP/s, memory, efficiency and overhead; the links stay "
+                        "--gpu's (or the link flags'). Imports torch: a few seconds")
     p.add_argument("--gpus-per-node", type=int, metavar="N",
                    help="GPUs sharing the fast link (default: the preset's 8)")
     for where, what in (("intra", "inside a node (NVLink)"), ("inter", "between nodes")):
@@ -395,10 +401,19 @@ def _plan_inputs(args: argparse.Namespace):
         name = f"{preset.name} with " + ", ".join(f"{k.replace('_', ' ')} {v:,}"
                                                   for k, v in changed.items())
         model = dataclasses.replace(preset, name=name, **changed)  # checks heads and widths
-        print(f"ddplab plan: note: {name} keeps the preset's " + ", ".join(kept),
-              file=sys.stderr)
+        print(f"ddplab plan: note: {name} keeps the preset's " + ", ".join(kept)
+              if kept else f"ddplab plan: note: {name}: every field given", file=sys.stderr)
+    if args.calibrate and args.measured:
+        raise ValueError("--calibrate and --measured both describe this machine: give one")
     cluster = (planner.Cluster.measured(*args.measured) if args.measured
                else planner.GPUS[args.gpu])
+    if args.calibrate:
+        from ddplab.planning import calibrate  # torch, only here
+
+        found = calibrate.measure(None if args.calibrate == "auto" else args.calibrate,
+                                  links=cluster)
+        print(found.table(), file=sys.stderr if args.json else sys.stdout)
+        cluster = found.cluster
     if args.gpus_per_node is not None:
         cluster = dataclasses.replace(cluster, gpus_per_node=args.gpus_per_node)
     for where in ("intra", "inter"):
