@@ -43,7 +43,7 @@ def test_measure_fits_this_cpu() -> None:
 def test_cli_plans_with_the_calibration() -> None:
     done = _cli("--calibrate", "cpu", *SMALL)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("this CPU (") and "tokens/s" in done.stdout
+    assert done.stdout.startswith("this CPU: a GFLOP") and "tokens/s" in done.stdout
     quiet = _cli("--calibrate", "cpu", "--json", *SMALL)
     assert quiet.returncode == 0 and "a GFLOP of matmul takes" in quiet.stderr
     assert json.loads(quiet.stdout)["cluster"]["source"] == "ddplab plan --calibrate on cpu"

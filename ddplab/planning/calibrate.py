@@ -213,7 +213,7 @@ def measure(device: str | None = None, widths: tuple[int, ...] | None = None,
     if len(widths) < 2:
         raise ValueError(f"widths {widths}: two or more, to fit efficiency and overhead")
     name = (torch.cuda.get_device_name(device) if device != "cpu"
-            else f"this CPU ({torch.get_num_threads()} threads)")
+            else "this CPU")
     flops = matmul_flops(device)
     steps = {h: step_seconds(shape(h, device), device, reps) for h in widths}
     base = replace(links or GPUS["h100"], name=name, flops=flops, memory=_memory(device),
