@@ -389,8 +389,8 @@ class Search:
                  _seconds(p.step), f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}")
                 for i, p in enumerate(shown)]
         head = (f"{best.model.name} on {best.gpus} × {best.cluster.name}, batch "
-                f"{best.batch} × {best.model.seq} tokens: {len(self.plans)} of "
-                f"{self.tried} layouts fit; not listed: {_rejected(self.rejected)}")
+                f"{best.batch} × {best.model.seq} tokens: {self.tried:,} layouts tried, "
+                f"{len(self.plans):,} listed; not listed: {_rejected(self.rejected)}")
         table = format_table(rows, header=["#", "DP", "TP", "SP", "PP", "v", "CP", "ZeRO",
                                            "recompute", "mb", "m", "memory", "step",
                                            "tokens/s", "MFU"], rule=True,
@@ -439,7 +439,7 @@ def _trade(a: Plan, b: Plan) -> str:
 
 
 def _rejected(counts: Counter) -> str:
-    return ", ".join(f"{n} {why}" for why, n in counts.most_common()) or "none"
+    return ", ".join(f"{n:,} {why}" for why, n in counts.most_common()) or "none"
 
 
 def search(model: Transformer, cluster: Cluster, gpus: int, batch: int,
@@ -475,9 +475,9 @@ def search(model: Transformer, cluster: Cluster, gpus: int, batch: int,
         elif (*family, *zero) in families:
             rejected["a slower interleaving of a listed layout"] += 1
         else:
-            seen.add(twin)
             families.add((*family, *zero))
             kept.append(p)
+        seen.add(twin)
     return Search(kept, len(tried), rejected)
 
 
