@@ -205,6 +205,32 @@ def h200_table() -> str:
                 rule=True, align="<><>>>>>>>"))
 
 
+def search_ranks(runs: list[Published] = PUBLISHED) -> list[tuple]:
+    """Each run's published layout (TP × PP × CP) among `search`'s, restricted to the run's
+    framework: (source, framework, its rank, how many were listed, the first's layout,
+    what the first changes, how much faster the planner thinks it is)."""
+    from ddplab.planning.predict import TRADED, search
+
+    out = []
+    for run in runs:
+        found = search(run.model, GPUS[run.gpu], run.gpus, run.batch,
+                       framework=FRAMEWORKS[run.framework])
+        mine = run.predict()
+
+        def key(p: Plan) -> tuple[int, int, int]:
+            return p.layout.tp, p.layout.pp, p.layout.cp
+
+        rank = next((i + 1 for i, p in enumerate(found.plans) if key(p) == key(mine)), None)
+        first = found.plans[0]
+        changes = [f"{name} {getattr(run.layout, k)} → {getattr(first.layout, k)}"
+                   for k, name in TRADED.items()
+                   if getattr(run.layout, k) != getattr(first.layout, k)]
+        out.append((run.source, FRAMEWORKS[run.framework].name, rank, len(found.plans),
+                    first.layout.describe(first.dp), ", ".join(changes) or "none",
+                    first.tokens_per_s / mine.tokens_per_s))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -235,6 +261,12 @@ def main() -> None:
               f"{ratio:.2f} {'✓' if abs(ratio - 1) <= TOLERANCE else '✗'}")
     print()
     print(h200_table())
+    print("\nsearch, restricted to each run's framework: where the published TP × PP × CP "
+          "ranks, and what the first changes")
+    print(format_table([(src, fw, rank, listed, changes, f"{faster:.2f}")
+                        for src, fw, rank, listed, _, changes, faster in search_ranks()],
+                       header=["run", "framework", "rank", "of", "the first changes",
+                               "faster by"], rule=True, align="<<>><>"))
     for v in (1, 2, 8):
         for run in LLAMA3:
             alt = replace(run, layout=replace(run.layout, interleave=v))
