@@ -346,7 +346,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-weights", action="store_true",
                    help="ZeRO-3: keep the gathered weights until the last micro-batch")
     p.add_argument("--bf16-grads", action="store_true",
-                   help="accumulate gradients in bf16, without fp32 copies (default: fp32)")
+                   help="accumulate and reduce gradients in bf16 (default: the framework's, "
+                        "fp32 but for megatron-2021's fp16)")
     p.add_argument("--kernels", choices=("fused", "compiled", "eager"),
                    help="how the layers' kernels are built, for the activations they save "
                         "(default: the framework's)")
@@ -466,6 +467,7 @@ def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
                                 sp=not args.no_sp, grad_dtype="bf16" if args.bf16_grads
                                 else framework.grad_dtype, grad_sync=args.grad_sync,
                                 keep_weights=args.keep_weights,
+                                fp32_shards=framework.fp32_shards,
                                 kernels=args.kernels or framework.kernels)
         result = planner.plan(model, cluster, args.gpus, layout, batch, framework)
     except ValueError as exc:

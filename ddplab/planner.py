@@ -55,17 +55,19 @@ formula leaves out. The formulas:
   parallelism; the GPU presets fold it into their efficiency (it is 0 there).
 
 Parameters, gradients and optimizer state follow the mixed-precision Adam accounting of
-ZeRO (Rajbhandari et al. 2020): 2Ψ bf16 parameters, 2Ψ bf16 gradients, 12Ψ fp32 master
-weights and Adam moments, sharded by ZeRO stage over the data-parallel ranks (times CP:
-those ranks hold the same parameters); and, unless gradients accumulate in bf16
-(`Layout.grad_dtype`), 4Ψ of fp32 gradients beside them (Megatron-LM's and picotron's
-`main_grad`, FSDP2 reducing in fp32, DeepSpeed's BF16 optimizer: the Playbook's 20Ψ; a
-framework that adds each bf16 gradient into the fp32 one and frees it at once, as
-Megatron-LM's backward hook does, holds 2Ψ less), reduced in fp32 too. Under gradient
-accumulation ZeRO-2 and 3 either reduce-scatter after every micro-batch (charged m times,
-each beside its backward) or hold the gradients whole until the last (charged in memory),
-and ZeRO-3 gathers its weights for every micro-batch's forward and backward or keeps them
-(`Layout.grad_sync`, `Layout.keep_weights`). Eager PyTorch saves 1.27 times the formula's
+ZeRO (Rajbhandari et al. 2020): 2Ψ bf16 parameters, gradients, 12Ψ fp32 master weights
+and Adam moments, sharded by ZeRO stage over the data-parallel ranks (times CP:
+those ranks hold the same parameters). Gradients are held in the dtype they accumulate
+in (`Layout.grad_dtype`): fp32 in every framework that trains in bf16 (Megatron-LM's and
+picotron's `main_grad`, FSDP2 reducing in fp32, DeepSpeed's BF16 optimizer), each bf16
+gradient freed once added: 2 + 4 + 12 = 18 bytes a parameter (the Ultra-Scale Playbook's
+20 keeps the bf16 gradients too); reduced in fp32 as well. FSDP2 keeps no bf16 copy: its
+sharded parameter is the fp32 master, 4 + 4 + 8 (`Layout.fp32_shards`). Under gradient
+accumulation ZeRO-2 and 3 either reduce-scatter after every micro-batch (charged m times)
+or hold the gradients whole until the last (charged in memory), and ZeRO-3 gathers its
+weights for every micro-batch's forward and backward or keeps them (`Layout.grad_sync`,
+`Layout.keep_weights`); what runs every micro-batch shares one network card and one
+window, the micro-batch's compute. Eager PyTorch saves 1.27 times the formula's
 activations, compiled blocks 1.06 times (`Layout.kernels`, measured on an H200). A fixed
 `reserved` line (the CUDA context, NCCL's buffers, the allocator's fragmentation) sits
 beside the ledger's categories. `--framework` (`ddplab.planning.frameworks`) says which of
@@ -92,7 +94,6 @@ from ddplab.planning.predict import (
 )
 from ddplab.planning.shapes import (
     CATEGORIES,
-    FP32_GRADS,
     GPUS,
     KERNELS,
     MODELS,
@@ -105,7 +106,7 @@ from ddplab.planning.shapes import (
     Transformer,
 )
 
-__all__ = ["CATEGORIES", "FP32_GRADS", "FRAMEWORKS", "GPUS", "KERNELS", "MODELS", "NEAR",
+__all__ = ["CATEGORIES", "FRAMEWORKS", "GPUS", "KERNELS", "MODELS", "NEAR",
            "RECOMPUTE", "RESERVED", "SCHEDULES", "Cluster", "Framework", "GiB", "Layout",
            "Plan", "Search", "Transformer", "calibrated", "layouts", "plan", "resolve",
            "search", "with_efficiency"]

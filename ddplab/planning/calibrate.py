@@ -11,7 +11,9 @@ its own pace, so `measure` times it, the way `ddplab.planning.steps` timed the H
 3. the efficiency and overhead that make the planner's prediction of those two steps
    best (`ddplab.planning.steps.fit`): two unknowns, two widths.
 
-The result is a `Cluster` with this machine's FLOP/s, memory and fitted pair; its links
+The result is a `Cluster` with this machine's peak FLOP/s (the datasheet's for a GPU the
+presets know, else its matmul's, so that MFU stays a fraction of a peak), memory and fitted
+pair; its links
 come from a preset (or the CLI's link flags): one process measures no network. A third
 width, timed and predicted, says how far to trust it (`Calibration.check`).
 
@@ -188,8 +190,10 @@ class Calibration:
 
     def table(self) -> str:
         c = self.cluster
+        base = ("the datasheet's peak" if c.flops != self.flops
+                else "that rate, which MFU is counted against here")
         lines = [f"{self.name}: a GFLOP of matmul takes {1e9 / self.flops * 1e3:.3g} ms; "
-                 f"a layer computes at {c.efficiency:.2f}× that rate, plus "
+                 f"a layer computes at {c.efficiency:.2f}× {base}, plus "
                  f"{c.overhead * 1e3:.3g} ms a layer and micro-batch"]
         for hidden, seconds in self.steps.items():
             lines.append(f"  hidden {hidden:,}: step {seconds * 1e3:.3g} ms measured, "
@@ -216,7 +220,11 @@ def measure(device: str | None = None, widths: tuple[int, ...] | None = None,
             else "this CPU")
     flops = matmul_flops(device)
     steps = {h: step_seconds(shape(h, device), device, reps) for h in widths}
-    base = replace(links or GPUS["h100"], name=name, flops=flops, memory=_memory(device),
+    # MFU is a fraction of the datasheet's peak: a GPU the presets know keeps theirs (its
+    # efficiency then comparable with theirs); any other device, its own matmul's rate.
+    peak = next((g.flops for key, g in GPUS.items()
+                 if key.split("-")[0] in name.lower() and "pcie" not in name.lower()), flops)
+    base = replace(links or GPUS["h100"], name=name, flops=peak, memory=_memory(device),
                    reserved=0.0, vector=0.0, efficiency=1.0, overhead=0.0,
                    source=f"ddplab plan --calibrate on {device}")
     longest = max(steps.values())

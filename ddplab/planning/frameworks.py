@@ -23,8 +23,10 @@ class Framework:
     parallelism (True), without (False), or both; `recompute`: the recomputation modes;
     `interleave`: virtual pipeline stages; `cp`: context parallelism; `grad_sync` and
     `keep_weights`: how ZeRO-2 and 3 accumulate (`Layout`'s fields of the same names), and
-    `pp_whole`: under a pipeline, only unsharded gradients and kept weights (torch's
-    pipelining); `grad_dtype` and `kernels`: what its layouts use (`Layout`'s)."""
+    `pp_whole`: under a pipeline, gradients unsharded until the last micro-batch, and
+    ZeRO-3's weights kept without interleaving, gathered again with it (torch's pipelining:
+    its interleaved runtime unshards and reshards the stages it runs); `grad_dtype`,
+    `fp32_shards` and `kernels`: what its layouts use (`Layout`'s)."""
 
     name: str
     zero: tuple[int, ...]
@@ -37,6 +39,7 @@ class Framework:
     pp_zero: int = 3
     pp_whole: bool = False
     grad_dtype: str = "fp32"
+    fp32_shards: bool = False
     kernels: str = "fused"
     source: str = ""
 
@@ -60,9 +63,10 @@ class Framework:
             why.append(f"{self.name} does not accumulate gradients {lay.grad_sync}-wise "
                        "under ZeRO-2/3")
         if self.pp_whole and lay.pp > 1 and lay.zero >= 2 and (
-                lay.grad_sync != "step" or (lay.zero == 3 and not lay.keep_weights)):
-            why.append(f"{self.name}'s pipeline keeps gradients (and ZeRO-3's weights) "
-                       "unsharded until the last micro-batch")
+                lay.grad_sync != "step" or (lay.zero == 3 and lay.keep_weights
+                                            != (lay.interleave == 1))):
+            why.append(f"{self.name}'s pipeline keeps gradients unsharded until the last "
+                       "micro-batch, and ZeRO-3's weights too unless interleaved")
         if lay.zero == 3 and lay.keep_weights not in self.keep_weights:
             why.append(f"{self.name} does not {'keep' if lay.keep_weights else 'regather'} "
                        "ZeRO-3's weights across micro-batches")
@@ -70,7 +74,8 @@ class Framework:
 
     def adopt(self, layout: Layout) -> Layout:
         """`layout` with this framework's gradient dtype and kernels."""
-        return replace(layout, grad_dtype=self.grad_dtype, kernels=self.kernels)
+        return replace(layout, grad_dtype=self.grad_dtype, fp32_shards=self.fp32_shards,
+                       kernels=self.kernels)
 
 
 FRAMEWORKS: dict[str, Framework] = {
@@ -80,35 +85,44 @@ FRAMEWORKS: dict[str, Framework] = {
     # Narayanan et al. 2021 (SC21), sections 2-3 and 5: TP as Shoeybi et al. 2019 (no
     # sequence parallelism), PP with the interleaved 1F1B schedule, full recomputation
     # ("activation recomputation" of every layer), data parallelism by all-reduce (no
-    # ZeRO), fused kernels, fp32 main gradients (Megatron-LM's `main_grad` buffer).
+    # ZeRO), fused kernels. Its GPT runs trained in fp16 mixed precision, as Megatron-LM's
+    # examples of the time did, and its main gradients were then fp16
+    # (`--accumulate-allreduce-grads-in-fp32` off unless bf16): an assumption, the paper
+    # does not say.
     "megatron-2021": Framework(
         "Megatron-LM 2021", zero=(0,), sp=(False,), recompute=("none", "full"),
-        interleave=True, cp=False, source="Narayanan et al. 2021, sections 2, 3 and 5"),
+        interleave=True, cp=False, grad_dtype="fp16",
+        source="Narayanan et al. 2021, sections 2, 3 and 5"),
     # Korthikanti et al. 2022: sequence parallelism and selective recomputation; the
     # distributed optimizer (`--use-distributed-optimizer`, ZeRO-1: optimizer states
-    # sharded, fp32 main gradients whole until their reduce-scatter); context parallelism
-    # (`--context-parallel-size`, Megatron-Core 0.5, 2024).
+    # sharded, fp32 main gradients whole until their reduce-scatter: bf16 forces fp32
+    # accumulation); context parallelism (`--context-parallel-size`, Megatron-Core 0.5,
+    # 2024). Megatron-Core's newer Megatron-FSDP (ZeRO-3) is not modelled.
     "megatron": Framework(
         "Megatron-LM", zero=(0, 1), sp=(True, False), recompute=RECOMPUTE, interleave=True,
         cp=True, source="Korthikanti et al. 2022; Megatron-Core's distributed optimizer "
                         "and context parallelism"),
-    # torchtitan: FSDP2 (ZeRO-3) or DDP over the data-parallel ranks, TP with
-    # SequenceParallel norms, torch.distributed.pipelining's schedules (interleaved ones
-    # included), context parallelism, selective or full activation checkpointing; its
-    # mixed precision reduces in fp32 (`mixed_precision_reduce = "float32"`); eager unless
-    # `--compile`. FSDP2 reduce-scatters after every micro-batch unless told not to
-    # (`set_requires_gradient_sync(False)`), and pipelining keeps gradients and weights
-    # unsharded until the last micro-batch (`pipelining/stage.py`).
+    # torchtitan: FSDP2 (ZeRO-3, its sharded parameters the fp32 masters) or DDP over the
+    # data-parallel ranks, TP with SequenceParallel norms, torch.distributed.pipelining's
+    # schedules (interleaved ones included), context parallelism, selective or full
+    # activation checkpointing; its mixed precision reduces in fp32
+    # (`mixed_precision_reduce = "float32"`); eager unless `--compile`. FSDP2
+    # reduce-scatters after every micro-batch unless told not to
+    # (`set_requires_gradient_sync(False)`); pipelining keeps gradients unsharded until the
+    # last micro-batch (`pipelining/stage.py`), and with `reshard_after_forward=False`
+    # (torchtitan's under PP) the weights, except that the interleaved runtime unshards and
+    # reshards the stages it runs (`pipelining/schedules.py`).
     "torchtitan": Framework(
         "torchtitan", zero=(0, 3), sp=(True,), recompute=RECOMPUTE, interleave=True, cp=True,
-        pp_whole=True, kernels="eager",
+        pp_whole=True, fp32_shards=True, kernels="eager",
         source="torchtitan; torch.distributed.fsdp and .pipelining"),
     # DeepSpeed's ZeRO stages 0-3 (reduce-scatter every micro-batch), its pipeline engine
     # (1F1B, no interleaving; "ZeRO-2 and ZeRO-3 are incompatible with pipeline
-    # parallelism", PipelineEngine's assertion), TP as Megatron-DeepSpeed's (no sequence
-    # parallelism), full recomputation, the BF16 optimizer's fp32 gradients.
+    # parallelism", PipelineEngine's assertion), TP and sequence parallelism as
+    # Megatron-DeepSpeed's, full recomputation, the BF16 optimizer's fp32 gradients.
+    # DeepSpeed-Ulysses (all-to-all over the sequence) is not the planner's ring CP: left out.
     "deepspeed": Framework(
-        "DeepSpeed", zero=(0, 1, 2, 3), sp=(False,), recompute=("none", "full"),
+        "DeepSpeed", zero=(0, 1, 2, 3), sp=(False, True), recompute=("none", "full"),
         interleave=False, cp=False, grad_sync=("micro-batch",), keep_weights=(False,),
         pp_zero=1, source="DeepSpeed's ZeRO and pipeline engine; Megatron-DeepSpeed"),
 }

@@ -13,7 +13,7 @@ from ddplab.costmodel import Model as Link
 from ddplab.costmodel import bytes_text
 from ddplab.planning.frameworks import FRAMEWORKS, Framework
 from ddplab.planning.shapes import (
-    FP32_GRADS,
+    GRAD_DTYPES,
     KERNELS,
     RESERVED,
     Cluster,
@@ -224,7 +224,10 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     layer_params = m.layer_matmul_params + 2 * m.hidden
     shard = dp * lay.cp
     word, state = (4, 8) if lay.fp32 else (2, 12)  # bytes a parameter: weight, optimizer
-    main = 0 if lay.fp32 or lay.grad_dtype == "bf16" else 4  # the fp32 gradients beside
+    # Gradients are held in the dtype they accumulate in (each bf16 one freed once added).
+    grad_word = word if lay.fp32 else GRAD_DTYPES[lay.grad_dtype]
+    # FSDP2's mixed precision: the sharded parameter is the fp32 master, no bf16 copy.
+    shards = lay.fp32_shards and lay.zero == 3 and not lay.fp32
     act = m.activation_bytes(lay.micro_batch, lay.tp, lay.cp, lay.recompute, lay.sp)
     act *= word / 2 * (KERNELS[lay.kernels] if lay.recompute != "full" else 1)
     last = m.last_stage_bytes(lay.micro_batch, lay.tp, lay.cp, lay.sp, word)
@@ -235,12 +238,14 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
         flight = mbs if lay.schedule == "gpipe" else min(mbs, lay.pp - i)
         if lay.interleave > 1 and i == 0:  # Korthikanti et al. 2022, section 4.2.3
             flight *= 1 + (lay.pp - 1) / (lay.pp * lay.interleave)
-        grads = params / (shard if lay.sharded_grads else 1)
+        if shards:  # fp32 shards, and the bf16 weights whole only if kept
+            weights = 4 * params / shard + (word * params if lay.keep_weights else 0)
+        else:
+            weights = word * params / (shard if lay.sharded_weights else 1)
         held = {
-            "parameters": word * params / (shard if lay.sharded_weights else 1),
-            "gradients": word * grads,
-            **({FP32_GRADS: main * grads} if main else {}),
-            "optimizer": state * params / (shard if lay.zero >= 1 else 1),
+            "parameters": weights,
+            "gradients": grad_word * params / (shard if lay.sharded_grads else 1),
+            "optimizer": (state - 4 * shards) * params / (shard if lay.zero >= 1 else 1),
             "activations": n * act * flight + (
                 last * (mbs if lay.schedule == "gpipe" else 1) if i == lay.pp - 1 else 0),
             RESERVED: c.reserved,
@@ -282,23 +287,26 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     attention = 12 * mb_tokens * m.seq * m.hidden / lay.tp / rate  # QKᵀ and ·V, 3 passes
     cp = per_stage * mbs * max(cp_ring - attention, 0.0)
     pp = 2 * mbs * lay.interleave * link(group).message(act_msg / lay.tp) if lay.pp > 1 else 0
-    # DP: gradients reduced in their accumulation dtype (fp32 main gradients: 4 bytes),
-    # once a step or, sharded, after every micro-batch; the bf16 weights all-gathered after
-    # the optimizer (ZeRO-1 and 2, ZeRO-3 kept) or for every micro-batch's forward and
-    # backward (ZeRO-3). Each overlaps the compute it can run beside.
+    # DP, on each GPU's network card: gradients reduced in their accumulation dtype, once a
+    # step or, sharded, after every micro-batch; the bf16 weights all-gathered after the
+    # optimizer (ZeRO-1 and 2, ZeRO-3 kept) or for every micro-batch's forward and backward
+    # (ZeRO-3). What runs every micro-batch shares that micro-batch's compute as its one
+    # window (one card carries it all); the step's one reduce-scatter overlaps the last
+    # backward, its one all-gather the first forward.
     dp_link = link(gpus)
-    grads = (word if lay.fp32 or lay.grad_dtype == "bf16" else 4) * psi
+    grads = grad_word * psi
     if lay.zero == 0:
         dp_time = _overlapped(dp_link.predict("ring", shard, grads) if shard > 1 else 0.0,
                               per_mb * 2 / 3, per_stage)
     else:
         scatter = _half_ring(dp_link, shard, grads)
         gather = _half_ring(dp_link, shard, word * psi)
-        dp_time = (mbs if lay.sharded_grads else 1) * _overlapped(scatter, per_mb * 2 / 3,
-                                                                   per_stage)
-        if lay.sharded_weights:  # gather the weights again for each forward and backward
-            dp_time += mbs * _overlapped(2 * gather, per_mb, per_stage)
-        else:
+        every = (scatter if lay.sharded_grads else 0) + (2 * gather if lay.sharded_weights
+                                                         else 0)
+        dp_time = mbs * _overlapped(every, per_mb, per_stage)
+        if not lay.sharded_grads:
+            dp_time += _overlapped(scatter, per_mb * 2 / 3, per_stage)
+        if not lay.sharded_weights:
             dp_time += _overlapped(gather, per_mb / 3, per_stage)
     out.exposed = {"TP": tp, "CP": cp, "PP": pp, "DP": dp_time}
     bubble = (lay.pp - 1) / (lay.interleave * mbs) * (compute + tp + cp)
@@ -356,7 +364,7 @@ def _accumulations(fw: Framework, zero: int, pp: int) -> list[tuple[str, bool]]:
         return [("micro-batch", False)]
     keeps = fw.keep_weights if zero == 3 else (False,)
     return [(sync, keep) for sync in fw.grad_sync for keep in keeps
-            if not (fw.pp_whole and pp > 1 and (sync != "step" or (zero == 3 and not keep)))]
+            if not (fw.pp_whole and pp > 1 and sync != "step")]
 
 
 NEAR = 0.02

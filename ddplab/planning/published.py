@@ -91,8 +91,9 @@ def _gpt(billions: str, heads: int, hidden: int, layers: int, tp: int, pp: int, 
          batch: int, tflops: float) -> Published:
     model = Transformer(f"GPT {billions}B", layers, hidden, heads, heads, 4 * hidden, 51200,
                         2048, gated=False, tied=True, positions=True, dropout=True)
-    layout = Layout(tp=tp, pp=pp, micro_batch=1, interleave=_even_interleave(layers, pp),
-                    recompute="full", sp=False)
+    layout = FRAMEWORKS["megatron-2021"].adopt(Layout(
+        tp=tp, pp=pp, micro_batch=1, interleave=_even_interleave(layers, pp),
+        recompute="full", sp=False))
     return Published(f"Megatron-LM, Table 1: {billions}B", model, "a100-80gb", gpus, layout,
                      batch, tflops, hardware=True, framework="megatron-2021")
 

@@ -13,14 +13,12 @@ from ddplab.costmodel import Model as Link
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 """The memory ledger's categories (chapter 9, `ddplab.sharding.CATEGORIES`)."""
-FP32_GRADS = "fp32 gradients"
-"""The ledger's line for mixed precision's fp32 gradient buffer (`Layout.grad_dtype`):
-beside the bf16 gradients, sharded as they are."""
 RESERVED = "reserved"
 """The line beside them: what a GPU holds whatever the layout (see `Cluster.reserved`)."""
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")
-GRAD_DTYPES = ("fp32", "bf16")
+GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""The dtypes gradients may accumulate in under mixed precision, and their bytes."""
 GRAD_SYNC = ("micro-batch", "step")
 KERNELS = {"fused": 1.0, "compiled": 1.06, "eager": 1.27}
 """Bytes a layer saves for backward, as a multiple of the activation formula's, by how its
@@ -187,14 +185,14 @@ def _link(gb_per_s: float, latency_us: float) -> Link:
 # messages being megabytes. Efficiency and overhead (see `Cluster`): one pair per GPU type.
 # The H100's and H200's (the same compute) fitted on the H200's own measured steps
 # (`ddplab.planning.steps`: 0.608, 0.78 ms a layer, eager PyTorch), so that Llama 3's H100
-# runs are a prediction; the A100's on Megatron-LM's ten A100 runs (0.601, 0.50 ms, fused
+# runs are a prediction; the A100's on Megatron-LM's ten A100 runs (0.604, 0.90 ms, fused
 # kernels: `ddplab.planning.published.fitted`); the A100 40GB takes the 80GB's. Memory:
 # "80 GB" on these datasheets is what nvidia-smi shows as about 80 GiB (81,559 MiB on an
 # H100), so GiB. Reserved: the CUDA context (~0.5 GiB), NCCL's buffers and the caching
 # allocator's fragmentation, an estimate (a few GiB is what PyTorch users see as
 # reserved-not-allocated).
-_A100 = dict(flops=312e12, intra=_link(300, 5), inter=_link(25, 10), efficiency=0.601,
-             overhead=0.50e-3, reserved=4 * GiB)
+_A100 = dict(flops=312e12, intra=_link(300, 5), inter=_link(25, 10), efficiency=0.604,
+             overhead=0.90e-3, reserved=4 * GiB)
 GPUS: dict[str, Cluster] = {
     # NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: 989 TFLOPS dense BF16 (1,979
     # with sparsity), 80 GB HBM3, NVLink 900 GB/s (450 each way); DGX H100 datasheet: one
@@ -248,17 +246,20 @@ class Layout:
     layer added to the last one (the kit's pipeline by hand).
 
     What gradient accumulation costs (mixed precision; `ddplab.planner`'s docstring):
-    `grad_dtype` the dtype gradients accumulate and are reduced in: "fp32" keeps an fp32
-    copy beside the bf16 gradients (Megatron-LM's and picotron's `main_grad`, FSDP2 with
-    `reduce_dtype=torch.float32`, DeepSpeed's BF16 optimizer; a line of its own in the
-    ledger), "bf16" does not. `grad_sync` (ZeRO-2 and 3): "micro-batch" reduce-scatters
-    after every micro-batch's backward and keeps gradients sharded (FSDP2's default,
-    DeepSpeed), "step" accumulates them unsharded and reduce-scatters once, after the last
-    (FSDP2 with `set_requires_gradient_sync(False)`, torch's pipelining). `keep_weights`
-    (ZeRO-3): the gathered weights stay until the last micro-batch's backward (torch's
-    pipelining: `set_reshard_after_backward(False)`) instead of being gathered again for
-    every micro-batch's forward and backward. `kernels`: "fused", "compiled" or "eager"
-    (`KERNELS`)."""
+    `grad_dtype` the dtype gradients accumulate and are reduced in, "fp32" (Megatron-LM's
+    and picotron's `main_grad`, FSDP2 with `reduce_dtype=torch.float32`, DeepSpeed's BF16
+    optimizer: 4 bytes a parameter; each bf16 gradient is freed once added) or "bf16" /
+    "fp16" (2). `grad_sync` (ZeRO-2 and 3): "micro-batch" reduce-scatters after every
+    micro-batch's backward and keeps gradients sharded (FSDP2's default, DeepSpeed), "step"
+    accumulates them unsharded and reduce-scatters once, after the last (FSDP2 with
+    `set_requires_gradient_sync(False)`, torch's pipelining). `keep_weights` (ZeRO-3): the
+    gathered weights stay until the last micro-batch's backward (FSDP2 with
+    `reshard_after_forward=False` and `set_reshard_after_backward(False)`) instead of being
+    gathered again for every micro-batch's forward and backward. `fp32_shards` (ZeRO-3):
+    the sharded parameter is the fp32 master itself and no bf16 copy stays between uses
+    (FSDP2's mixed precision: 4 + 4 + 8 bytes a parameter, sharded), rather than bf16
+    weights beside fp32 master weights in the optimizer (2 + 12). `kernels`: "fused",
+    "compiled" or "eager" (`KERNELS`)."""
 
     tp: int = 1
     pp: int = 1
@@ -274,6 +275,7 @@ class Layout:
     grad_dtype: str = "fp32"
     grad_sync: str = "micro-batch"
     keep_weights: bool = False
+    fp32_shards: bool = False
     kernels: str = "fused"
 
     def __post_init__(self) -> None:
@@ -284,7 +286,7 @@ class Layout:
             raise ValueError(f"ZeRO stage {self.zero}: choose 0, 1, 2 or 3")
         _choice(self.schedule, SCHEDULES, "schedule")
         _choice(self.recompute, RECOMPUTE, "recompute")
-        _choice(self.grad_dtype, GRAD_DTYPES, "grad_dtype")
+        _choice(self.grad_dtype, tuple(GRAD_DTYPES), "grad_dtype")
         _choice(self.grad_sync, GRAD_SYNC, "grad_sync")
         _choice(self.kernels, tuple(KERNELS), "kernels")
 
@@ -310,12 +312,13 @@ class Layout:
 
     def _accumulation(self) -> str:
         """How gradients accumulate, where it is a choice (mixed precision, ZeRO-2 or 3)."""
-        out = "" if self.fp32 or self.grad_dtype == "fp32" else ", bf16 gradients"
+        out = "" if self.fp32 or self.grad_dtype == "fp32" else f", {self.grad_dtype} gradients"
         if self.zero >= 2:
             out += (", reduce-scatter every micro-batch" if self.grad_sync == "micro-batch"
                     else ", gradients unsharded until the last micro-batch")
         if self.zero == 3:
             out += ", weights kept" if self.keep_weights else ", weights gathered per micro-batch"
+            out += ", fp32 shards" if self.fp32_shards and not self.fp32 else ""
         return out
 
 
