@@ -277,7 +277,7 @@ def _run_data(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from ddplab.planner import GPUS, MODELS, RECOMPUTE, SCHEDULES  # plain data, no torch
+    from ddplab.planner import FRAMEWORKS, GPUS, MODELS, RECOMPUTE, SCHEDULES  # no torch
 
     p = sub.add_parser(
         "plan",
@@ -288,14 +288,13 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
             "communication, pipeline bubble), with tokens/s and MFU, for a model, a cluster "
             "and a layout; or, with --search, rank every layout that fits. DP is what "
             "GPUs / (TP × PP × CP) leaves. The formulas and their sources: ddplab/planner.py. "
-            "Exit status 1: the layout cannot run (the reasons are printed)."
+            "Exit status 1: the layout cannot run (the reasons are printed); 2: a bad value."
         ),
         allow_abbrev=False,
     )
     p.add_argument("--model", default="llama3-8b", choices=list(MODELS), metavar="NAME",
                    help=f"model preset: {', '.join(MODELS)} (default: llama3-8b)")
-    for name, meta in (("layers", "N"), ("hidden", "H"), ("heads", "N"), ("kv-heads", "N"),
-                       ("ffn", "F"), ("vocab", "V"), ("seq", "TOKENS")):
+    for name, meta in MODEL_FLAGS:
         p.add_argument(f"--{name}", type=int, metavar=meta,
                        help=f"override the preset's {name.replace('-', ' ')}")
     p.add_argument("--gpu", default="h100", choices=list(GPUS), metavar="NAME",
@@ -303,8 +302,20 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measured", nargs=4, type=float, metavar=("ALPHA", "BETA", "FLOPS", "BYTES"),
                    help="a measured cluster instead of --gpu: α (s), β (s/byte), a matmul's "
                         "FLOP/s, memory per rank in bytes")
+    p.add_argument("--calibrate", nargs="?", const="auto", choices=("auto", "cpu", "cuda"),
+                   metavar="DEVICE",
+                   help="time a matmul and a decoder's step on this machine (its GPU if "
+                        "torch sees one, else the CPU; or name cpu or cuda) and plan with "
+                        "its FLOP/s, memory, efficiency and overhead; the links stay "
+                        "--gpu's (or the link flags'). Imports torch: a few seconds")
     p.add_argument("--gpus-per-node", type=int, metavar="N",
                    help="GPUs sharing the fast link (default: the preset's 8)")
+    for where, what in (("intra", "inside a node (NVLink)"), ("inter", "between nodes")):
+        p.add_argument(f"--{where}-bw", type=float, metavar="GB/S",
+                       help=f"link bandwidth {what}, GB/s each way a GPU (default: the "
+                            "preset's)")
+        p.add_argument(f"--{where}-latency", type=float, metavar="US",
+                       help=f"link latency {what}, µs (default: the preset's)")
     p.add_argument("--efficiency", type=float, metavar="E",
                    help="fraction of peak FLOP/s that compute sustains (default: the preset's)")
     p.add_argument("--gpus", type=int, default=8, metavar="N", help="GPUs in all (default: 8)")
@@ -312,6 +323,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     batch.add_argument("--batch", type=int, metavar="SEQUENCES", help="global batch in sequences")
     batch.add_argument("--tokens", type=int, metavar="N",
                        help="global batch in tokens (default: 4,194,304, i.e. 4M)")
+    p.add_argument("--framework", default="any", choices=list(FRAMEWORKS), metavar="NAME",
+                   help=f"what the training software can do: {', '.join(FRAMEWORKS)} "
+                        "(default: any; --search tries only its options)")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel (default: 1)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (default: 1)")
     p.add_argument("--cp", type=int, default=1, metavar="N", help="context parallel (default: 1)")
@@ -320,64 +334,158 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int, default=1, metavar="N",
                    help="sequences per micro-batch (default: 1)")
     p.add_argument("--interleave", type=int, default=1, metavar="V",
-                   help="virtual pipeline stages per GPU (default: 1)")
+                   help="virtual pipeline stages per GPU, with --pp above 1 (default: 1)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                    help="pipeline schedule (default: 1f1b)")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="activation recomputation; selective also stands for FlashAttention "
                         "(default: none)")
+    p.add_argument("--grad-sync", default="micro-batch", choices=("micro-batch", "step"),
+                   help="ZeRO-2/3: reduce-scatter gradients after every micro-batch (FSDP2's "
+                        "default, DeepSpeed) or once, unsharded until the last (pipelining)")
+    p.add_argument("--keep-weights", action="store_true",
+                   help="ZeRO-3: keep the gathered weights until the last micro-batch")
+    p.add_argument("--bf16-grads", action="store_true",
+                   help="accumulate and reduce gradients in bf16 (default: the framework's, "
+                        "fp32 but for megatron-2021's fp16)")
+    p.add_argument("--kernels", choices=("fused", "compiled", "eager"),
+                   help="how the layers' kernels are built, for the activations they save "
+                        "(default: the framework's)")
     p.add_argument("--fp32", action="store_true",
                    help="train in fp32 (as the kit's CPU runs) instead of bf16 mixed precision")
     p.add_argument("--no-sp", action="store_true",
                    help="TP without sequence parallelism: the norms' activations stay whole "
                         "on every rank (torch's plain Colwise/RowwiseParallel)")
     p.add_argument("--search", action="store_true",
-                   help="try every layout (ignores the layout options) and rank those that fit")
+                   help="try every layout the framework offers (ignores the layout options) "
+                        "and rank those that fit")
     p.add_argument("--top", type=int, default=5, metavar="N",
                    help="layouts --search shows (default: 5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=_run_plan, passthrough=False)
 
 
-def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
+MODEL_FLAGS = (("layers", "N"), ("hidden", "H"), ("heads", "N"), ("kv-heads", "N"),
+               ("ffn", "F"), ("vocab", "V"), ("seq", "TOKENS"))
+"""The model preset's fields a flag overrides (flag name, metavar)."""
+PLAN_COUNTS = ("gpus", "batch", "tokens", "tp", "pp", "cp", "micro_batch", "interleave",
+               "top", "gpus_per_node")
+"""`ddplab plan`'s flags that count something: positive integers or an error naming them."""
+LONGEST_STEP = 3600.0
+"""A planned step longer than an hour is flagged: a batch or a model far off its mark."""
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _plan_inputs(args: argparse.Namespace):
+    """The model, cluster and batch the flags describe, each bad value a ValueError naming
+    its flag; notes (what a preset override kept) go to stderr."""
     import dataclasses
+
+    from ddplab import planner
+    from ddplab.costmodel import Model as Link
+
+    for dest in PLAN_COUNTS + tuple(name.replace("-", "_") for name, _ in MODEL_FLAGS):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise ValueError(f"{_flag(dest)} {value}: must be a positive integer")
+    preset = planner.MODELS[args.model]
+    fields = {name.replace("-", "_"): getattr(args, name.replace("-", "_"))
+              for name, _ in MODEL_FLAGS}
+    changed = {k: v for k, v in fields.items() if v is not None and v != getattr(preset, k)}
+    model = preset
+    if changed:
+        kept = [f"{k.replace('_', ' ')} {getattr(preset, k):,}" for k in fields
+                if k not in changed]
+        name = f"{preset.name} with " + ", ".join(f"{k.replace('_', ' ')} {v:,}"
+                                                  for k, v in changed.items())
+        model = dataclasses.replace(preset, name=name, **changed)  # checks heads and widths
+        print(f"ddplab plan: note: {name} keeps the preset's " + ", ".join(kept)
+              if kept else f"ddplab plan: note: {name}: every field given", file=sys.stderr)
+    if args.calibrate and args.measured:
+        raise ValueError("--calibrate and --measured both describe this machine: give one")
+    cluster = (planner.Cluster.measured(*args.measured) if args.measured
+               else planner.GPUS[args.gpu])
+    if args.calibrate:
+        from ddplab.planning import calibrate  # torch, only here
+
+        found = calibrate.measure(None if args.calibrate == "auto" else args.calibrate,
+                                  links=cluster)
+        print(found.table(), file=sys.stderr if args.json else sys.stdout)
+        cluster = found.cluster
+    if args.gpus_per_node is not None:
+        cluster = dataclasses.replace(cluster, gpus_per_node=args.gpus_per_node)
+    for where in ("intra", "inter"):
+        bw, latency = getattr(args, f"{where}_bw"), getattr(args, f"{where}_latency")
+        for dest, value in ((f"{where}_bw", bw), (f"{where}_latency", latency)):
+            if value is not None and (value <= 0 if dest.endswith("bw") else value < 0):
+                raise ValueError(f"{_flag(dest)} {value:g}: must be "
+                                 f"{'positive' if dest.endswith('bw') else 'at least 0'}")
+        if bw is not None or latency is not None:
+            old = getattr(cluster, where)
+            link = Link(alpha=old.alpha if latency is None else latency * 1e-6,
+                        beta=old.beta if bw is None else 1 / (bw * 1e9))
+            cluster = dataclasses.replace(cluster, **{where: link})
+    if args.efficiency is not None:
+        if not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency {args.efficiency:g}: must be in (0, 1]")
+        cluster = planner.with_efficiency(cluster, args.efficiency)
+    if args.batch is not None:
+        batch = args.batch
+    else:
+        tokens = args.tokens or 1 << 22
+        batch = tokens // model.seq
+        if batch < 1:
+            raise ValueError(f"--tokens {tokens:,}: less than one {model.seq:,}-token "
+                             "sequence; give more tokens or --batch")
+    if args.interleave > 1 and args.pp == 1 and not args.search:
+        raise ValueError(f"--interleave {args.interleave}: virtual stages need a pipeline; "
+                         "give --pp above 1")
+    return model, cluster, batch
+
+
+def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
     import json
 
     from ddplab import planner
 
     try:
-        fields = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-                  "kv_heads": args.kv_heads, "ffn": args.ffn, "vocab": args.vocab,
-                  "seq": args.seq}
-        model = dataclasses.replace(planner.MODELS[args.model],
-                                    **{k: v for k, v in fields.items() if v is not None})
-        if args.measured:
-            cluster = planner.Cluster.measured(*args.measured)
-        else:
-            cluster = planner.GPUS[args.gpu]
-        if args.gpus_per_node is not None:
-            if args.gpus_per_node < 1:
-                raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be positive")
-            cluster = dataclasses.replace(cluster, gpus_per_node=args.gpus_per_node)
-        if args.efficiency is not None:
-            cluster = planner.with_efficiency(cluster, args.efficiency)
-        batch = args.batch if args.batch is not None else (args.tokens or 1 << 22) // model.seq
-        if batch < 1:
-            raise ValueError(f"--tokens {args.tokens}: less than one {model.seq}-token sequence")
+        model, cluster, batch = _plan_inputs(args)
+        framework = planner.FRAMEWORKS[args.framework]
         if args.search:
-            found = planner.search(model, cluster, args.gpus, batch, fp32=args.fp32)
+            found = planner.search(model, cluster, args.gpus, batch, fp32=args.fp32,
+                                   framework=framework)
             print(json.dumps(found.as_dict(args.top), indent=1) if args.json
                   else found.table(args.top))
+            if found.plans:
+                _flag_step(found.plans[0])
             return 0 if found.plans else 1
         layout = planner.Layout(args.tp, args.pp, args.cp, args.zero, args.micro_batch,
                                 args.interleave, args.schedule, args.recompute, args.fp32,
-                                sp=not args.no_sp)
-        result = planner.plan(model, cluster, args.gpus, layout, batch)
+                                sp=not args.no_sp, grad_dtype="bf16" if args.bf16_grads
+                                else framework.grad_dtype, grad_sync=args.grad_sync,
+                                keep_weights=args.keep_weights,
+                                fp32_shards=framework.fp32_shards,
+                                kernels=args.kernels or framework.kernels)
+        result = planner.plan(model, cluster, args.gpus, layout, batch, framework)
     except ValueError as exc:
         print(f"ddplab plan: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result.as_dict(), indent=1) if args.json else result.table())
+    if result.time:
+        _flag_step(result)
     return 0 if result.feasible else 1
+
+
+def _flag_step(p) -> None:
+    """A step over an hour is said, with the batch that makes it."""
+    if p.step > LONGEST_STEP:
+        years = p.step / (365.25 * 86400)
+        span = f"{years:,.0f} years" if years >= 1 else f"{p.step / 3600:,.1f} hours"
+        print(f"ddplab plan: note: one step takes {span} ({p.batch:,} sequences on "
+              f"{p.gpus:,} GPUs): check --batch or --tokens", file=sys.stderr)
 
 
 # --- the command -----------------------------------------------------------------------------

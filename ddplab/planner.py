@@ -26,9 +26,13 @@ formula leaves out. The formulas:
   their 72Bslh²(1 + s/6h + V/12lh); full recomputation adds one forward of the layers
   (their 96 coefficient). Model FLOPs (for MFU, as Chowdhery et al. 2022, PaLM, appendix B)
   exclude recomputation; hardware FLOPs include it.
-- **Compute time** = hardware FLOPs / (peak × efficiency): `efficiency` is one number per
-  GPU type (see `GPUS`), the fraction of the datasheet's peak that a transformer's kernels
-  sustain. For a measured cluster it is 1: the FLOP/s given is already what a matmul got.
+- **Compute time** = hardware FLOPs / (peak × efficiency) + `overhead` per layer and
+  micro-batch: two numbers per GPU type (see `GPUS`), fitted on measured steps (the H100's
+  and H200's on an H200's own steps, `ddplab.planning.steps`; the A100's on Megatron-LM's
+  runs). The overhead, a layer's cost whatever its width, is what makes a narrow model's
+  efficiency lower: 47 % of peak at hidden 2,048, 56 % at 8,192, as measured. For a
+  measured cluster the efficiency is 1 and the overhead 0: the FLOP/s given is already
+  what a matmul got.
 - **Communication** is chapter 8a's α–β model (`ddplab.costmodel.Model`): a ring
   all-reduce of S bytes on n ranks takes 2(n − 1)(α + S/n·β); a ring reduce-scatter or
   all-gather is its first or second half. What overlaps, a deliberately simple model:
@@ -51,17 +55,32 @@ formula leaves out. The formulas:
   parallelism; the GPU presets fold it into their efficiency (it is 0 there).
 
 Parameters, gradients and optimizer state follow the mixed-precision Adam accounting of
-ZeRO (Rajbhandari et al. 2020): 2Ψ bf16 parameters, 2Ψ bf16 gradients, 12Ψ fp32 master
-weights and Adam moments, sharded by ZeRO stage over the data-parallel ranks (times CP:
-those ranks hold the same parameters). A fixed `reserved` line (the CUDA context, NCCL's
-buffers, the allocator's fragmentation) sits beside the ledger's four categories.
+ZeRO (Rajbhandari et al. 2020): 2Ψ bf16 parameters, gradients, 12Ψ fp32 master weights
+and Adam moments, sharded by ZeRO stage over the data-parallel ranks (times CP:
+those ranks hold the same parameters). Gradients are held in the dtype they accumulate
+in (`Layout.grad_dtype`): fp32 in every framework that trains in bf16 (Megatron-LM's and
+picotron's `main_grad`, FSDP2 reducing in fp32, DeepSpeed's BF16 optimizer), each bf16
+gradient freed once added: 2 + 4 + 12 = 18 bytes a parameter (the Ultra-Scale Playbook's
+20 keeps the bf16 gradients too); reduced in fp32 as well. FSDP2 keeps no bf16 copy: its
+sharded parameter is the fp32 master, 4 + 4 + 8 (`Layout.fp32_shards`). Under gradient
+accumulation ZeRO-2 and 3 either reduce-scatter after every micro-batch (charged m times)
+or hold the gradients whole until the last (charged in memory), and ZeRO-3 gathers its
+weights for every micro-batch's forward and backward or keeps them (`Layout.grad_sync`,
+`Layout.keep_weights`); what runs every micro-batch shares one network card and one
+window, the micro-batch's compute. Eager PyTorch saves 1.27 times the formula's
+activations, compiled blocks 1.06 times (`Layout.kernels`, measured on an H200). A fixed
+`reserved` line (the CUDA context, NCCL's buffers, the allocator's fragmentation) sits
+beside the ledger's categories. `--framework` (`ddplab.planning.frameworks`) says which of
+these options the user's software has.
 
-It leaves out, on purpose: for the GPU presets, memory-bound kernels (norms, softmax) whose
-share grows as the hidden size shrinks; GEMM efficiency that depends on shape; contention
-between groups; stragglers. `benchmarks/RESULTS.md` shows what that costs against
-published runs. No torch is imported: `ddplab plan` starts as fast as the package import.
+It leaves out, on purpose: how the overhead changes with the tokens of a micro-batch (all
+but one measured step had 4,096 tokens; the 8,192-token one is within 5 %); the
+optimizer's own pass (folded into the fit); contention between groups; stragglers.
+`benchmarks/RESULTS.md` shows what that costs against published runs. No torch is
+imported: `ddplab plan` starts as fast as the package import.
 """
 
+from ddplab.planning.frameworks import FRAMEWORKS, Framework
 from ddplab.planning.predict import (
     NEAR,
     Plan,
@@ -76,6 +95,7 @@ from ddplab.planning.predict import (
 from ddplab.planning.shapes import (
     CATEGORIES,
     GPUS,
+    KERNELS,
     MODELS,
     RECOMPUTE,
     RESERVED,
@@ -86,7 +106,7 @@ from ddplab.planning.shapes import (
     Transformer,
 )
 
-__all__ = ["CATEGORIES", "GPUS", "MODELS", "NEAR", "RECOMPUTE", "RESERVED", "SCHEDULES",
-           "Cluster", "GiB", "Layout", "Plan", "Search", "Transformer", "calibrated", "layouts",
-           "plan",
-           "resolve", "search", "with_efficiency"]
+__all__ = ["CATEGORIES", "FRAMEWORKS", "GPUS", "KERNELS", "MODELS", "NEAR",
+           "RECOMPUTE", "RESERVED", "SCHEDULES", "Cluster", "Framework", "GiB", "Layout",
+           "Plan", "Search", "Transformer", "calibrated", "layouts", "plan", "resolve",
+           "search", "with_efficiency"]

@@ -1747,7 +1747,7 @@ def _state_right(model, layout, gpus, layers=None):
         model.hidden * model.vocab
     psi, shard = (layers * layer + ends) / layout.tp, dp * layout.cp
     return {"parameters": 2 * psi / (shard if layout.zero >= 3 else 1),
-            "gradients": 2 * psi / (shard if layout.zero >= 2 else 1),
+            "gradients": 4 * psi / (shard if layout.zero >= 2 else 1),
             "optimizer": 12 * psi / (shard if layout.zero >= 1 else 1)}
 
 
@@ -1759,8 +1759,14 @@ def _state_without_tp(model, layout, gpus):
 def _state_fp32(model, layout, gpus):
     """10.6, wrong: fp32 Adam's 4 + 4 + 8 bytes."""
     right = _state_right(model, layout, gpus)
-    return {"parameters": 2 * right["parameters"], "gradients": 2 * right["gradients"],
+    return {"parameters": 2 * right["parameters"], "gradients": right["gradients"],
             "optimizer": right["optimizer"] * 8 / 12}
+
+
+def _state_bf16_grads(model, layout, gpus):
+    """10.6, wrong: gradients in bf16, 2 bytes."""
+    right = _state_right(model, layout, gpus)
+    return {**right, "gradients": right["gradients"] / 2}
 
 
 def _state_even_stages(model, layout, gpus):
@@ -1772,7 +1778,7 @@ def _state_grads_not_sharded(model, layout, gpus):
     """10.6, wrong: ZeRO-2 keeps the gradients whole."""
     right = _state_right(model, layout, gpus)
     if layout.zero == 2:
-        right["gradients"] = right["parameters"]
+        right["gradients"] = 2 * right["parameters"]  # 4 bytes a parameter, whole
     return right
 
 
@@ -1792,7 +1798,7 @@ def _state_both_ends(model, layout, gpus):
         return right
     extra = (model.embedding_params + model.hidden - model.hidden * model.vocab) / layout.tp
     shard = gpus // (layout.tp * layout.pp * layout.cp) * layout.cp
-    words = {"parameters": (2, 3), "gradients": (2, 2), "optimizer": (12, 1)}
+    words = {"parameters": (2, 3), "gradients": (4, 2), "optimizer": (12, 1)}
     return {k: v + words[k][0] * extra / (shard if layout.zero >= words[k][1] else 1)
             for k, v in right.items()}
 
@@ -1802,6 +1808,8 @@ CHAPTER_10D = [
      "predicted", "splits every weight matrix"),
     ("10.6", _state_fp32, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you predicted",
      "mixed precision"),
+    ("10.6", _state_bf16_grads, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
+     "predicted", "accumulates the gradients in fp32"),
     ("10.6", _state_both_ends, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
      "predicted", "not both"),
     ("10.6", _state_even_stages, "for Llama 3 405B on 1,024 GPUs, TP 8, PP 16 (126 layers), "

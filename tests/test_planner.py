@@ -72,20 +72,68 @@ def test_activations_are_korthikanti_et_al_s_table_2() -> None:
 
 
 def test_memory_for_a_layout_by_hand() -> None:
-    """Llama 3 8B, 8 GPUs of DP, ZeRO-1, selective, micro-batch 1, 64 sequences."""
+    """Llama 3 8B, 8 GPUs of DP, ZeRO-1, selective, micro-batch 1, 64 sequences; gradients
+    held in fp32, the dtype mixed precision accumulates them in (each bf16 gradient freed
+    once added): 2 + 4 + 12 = 18 bytes a parameter before sharding."""
     m = MODELS["llama3-8b"]
     p = plan(m, GPUS["h100"], 8, Layout(zero=1, recompute="selective"), 64)
     psi = m.params
     layer = 8192 * 4096 * 34  # bytes: per_sbh = 34 for Llama 3 8B (see above)
     logits = 4 * 8192 * 128256 + 2 * 2 * 8192 * 4096  # + the final norm's input and output
     assert p.memory == pytest.approx({
-        "parameters": 2 * psi, "gradients": 2 * psi, "optimizer": 12 * psi / 8,
+        "parameters": 2 * psi, "gradients": 4 * psi, "optimizer": 12 * psi / 8,
         "activations": 32 * layer + logits, "reserved": 4 * GiB})
     assert list(p.memory)[:4] == list(planner.CATEGORIES)
-    assert p.reasons == ["needs 83 GiB, has 80"]  # 83.0 GiB by the lines above
+    assert p.reasons == ["needs 98 GiB, has 80"]  # 98.0 GiB by the lines above
     assert p.micro_batches == 8 and p.dp == 8
-    # ZeRO-2 then fits: gradients sharded too
-    assert plan(m, GPUS["h100"], 8, Layout(zero=2, recompute="selective"), 64).feasible
+    # bf16 accumulation: ZeRO's paper's 16 bytes; the fp32 buffer adds 2 bytes net (4Ψ in
+    # place of 2Ψ), sharded as the gradients are
+    bf16 = plan(m, GPUS["h100"], 8, Layout(zero=1, recompute="selective", grad_dtype="bf16"), 64)
+    assert p.memory_total - bf16.memory_total == pytest.approx(2 * psi)
+    assert bf16.memory["gradients"] == 2 * psi and bf16.reasons == ["needs 83 GiB, has 80"]
+    z2 = plan(m, GPUS["h100"], 8, Layout(zero=2, recompute="selective"), 64)
+    assert z2.feasible and z2.memory["gradients"] == pytest.approx(4 * psi / 8)
+    # FSDP2's mixed precision: the shards are the fp32 masters, no bf16 copy: 16 bytes / N
+    fsdp = plan(m, GPUS["h100"], 8, Layout(zero=3, recompute="selective", fp32_shards=True), 64)
+    assert [fsdp.memory[k] for k in ("parameters", "gradients", "optimizer")] == \
+        pytest.approx([4 * psi / 8, 4 * psi / 8, 8 * psi / 8])
+
+
+def test_zero_under_gradient_accumulation_is_charged_in_time_or_in_memory() -> None:
+    """ZeRO-2 with 128 micro-batches: either 128 reduce-scatters (gradients sharded), or
+    one reduce-scatter and gradients whole until the last micro-batch (ZeRO-1's memory);
+    ZeRO-3 gathers its weights for every micro-batch's forward and backward, or once."""
+    m, c = MODELS["llama3-8b"], Cluster.measured(1e-5, 1e-9, 1e12, 1 << 40)
+    batch = 128 * 8  # 8 ranks of DP, micro-batch 1: 128 micro-batches each
+
+    def dp(**kw):
+        p = plan(m, c, 8, Layout(recompute="selective", **kw), batch)
+        assert p.micro_batches == 128
+        return p
+
+    psi, link = m.params, Model(1e-5, 1e-9)
+    scatter = link.predict("ring", 8, 4 * psi) / 2  # fp32 gradients: 4 bytes each
+    gather = link.predict("ring", 8, 2 * psi) / 2  # bf16 weights
+    z1, every, last = dp(zero=1), dp(zero=2), dp(zero=2, grad_sync="step")
+    assert scatter + 2 * gather < dp(zero=2).time["compute"] / 128  # each hides in its window
+    per_bucket = scatter / m.layers  # what a hidden one leaves exposed: its last bucket
+    assert every.exposed["DP"] == pytest.approx(128 * per_bucket + gather / m.layers)
+    assert last.exposed["DP"] == pytest.approx(per_bucket + gather / m.layers)
+    assert last.exposed["DP"] == pytest.approx(z1.exposed["DP"])
+    assert every.memory["gradients"] == pytest.approx(4 * psi / 8)
+    assert last.memory["gradients"] == z1.memory["gradients"] == pytest.approx(4 * psi)
+    assert last.memory_total == pytest.approx(z1.memory_total)
+    # ZeRO-3: 2 gathers every micro-batch, or the weights kept whole from the first
+    regather, kept = dp(zero=3), dp(zero=3, keep_weights=True)
+    assert regather.memory["parameters"] == pytest.approx(2 * psi / 8)
+    assert kept.memory["parameters"] == pytest.approx(2 * psi)
+    assert regather.exposed["DP"] - every.exposed["DP"] == pytest.approx(
+        128 * 2 * gather / m.layers - gather / m.layers)
+    assert kept.exposed["DP"] == pytest.approx(every.exposed["DP"])
+    # a search never lists ZeRO-2 accumulating unsharded: it is ZeRO-1's plan
+    found = search(m, GPUS["h100"], 8, 64)
+    assert not any(p.layout.zero == 2 and p.layout.grad_sync == "step" for p in found.plans)
+    assert found.rejected["the same plan as a lower ZeRO stage"] > 0
 
 
 def test_the_categories_and_state_arithmetic_are_the_memory_ledgers() -> None:
@@ -101,7 +149,8 @@ def test_the_categories_and_state_arithmetic_are_the_memory_ledgers() -> None:
     psi = m.params
     for fp32 in (False, True):
         for stage in range(4):
-            p = plan(m, laptop, 4, Layout(zero=stage, fp32=fp32), 8)
+            # chapter 9's ledger is ZeRO's paper's: bf16 gradients (16 bytes a parameter)
+            p = plan(m, laptop, 4, Layout(zero=stage, fp32=fp32, grad_dtype="bf16"), 8)
             want = sharding.playbook(psi, stage, 4, mixed_precision=not fp32).as_dict()
             for key in planner.CATEGORIES[:3]:
                 assert p.memory[key] == pytest.approx(want[key], abs=1), (fp32, stage, key)
@@ -178,40 +227,103 @@ def test_nothing_fits_is_said() -> None:
     assert found.table().startswith("no feasible layout among")
 
 
-def test_published_runs_within_15_percent_but_the_documented_miss() -> None:
+def test_published_runs_within_15_percent() -> None:
     """benchmarks/RESULTS.md's table: every run within 15 % of its published per-GPU
-    throughput except Megatron-LM's smallest model, where the one efficiency per GPU type
-    cannot see that a 2,304-wide model's kernels run further from peak."""
+    throughput, Megatron-LM's with the interleaving its paper used (section 5.1), and the
+    presets hold the figures fitted: the H100's and H200's on the H200's own steps, the
+    A100's on Megatron-LM's runs."""
+    from ddplab.planning import steps
+
     published = _published()
-    misses = {row[0] for row in published.rows() if row[5] != "✓"}
-    assert misses == {"Megatron-LM, Table 1: 1.7B"}
-    for runs in (published.LLAMA3, published.MEGATRON):  # the presets' efficiencies
-        fitted = published.fitted_efficiency(runs)
-        assert GPUS[runs[0].gpu].efficiency == pytest.approx(fitted, abs=0.01)
+    assert [row[0] for row in published.rows() if row[5] != "✓"] == []
+    assert all(r.layout.interleave > 1 for r in published.MEGATRON if r.layout.pp > 1)
+    assert {r.layout.interleave for r in published.MEGATRON} == {1, 2, 3}  # 15 and 3 a stage
+    for gpu, (efficiency, overhead) in (("h200", steps.fitted()), ("h100", steps.fitted()),
+                                        ("a100-80gb", published.fitted(published.MEGATRON))):
+        assert GPUS[gpu].efficiency == pytest.approx(efficiency, abs=0.001), gpu
+        assert GPUS[gpu].overhead == pytest.approx(overhead, abs=1e-5), gpu
 
 
 def test_held_out_the_efficiency_still_predicts() -> None:
-    """The efficiencies were fitted on the rows they are checked against; held out, they
-    still predict: each row with the efficiency fitted on the others of its GPU type (the
-    same miss, 1.7B, now +23 %, with 3.6B at +16 % and the two largest at −16 %: one
-    efficiency per GPU cannot follow kernels that run nearer their peak as the matrices
-    grow, and whole-layer stages no longer flatter the deepest pipelines), and each paper
-    with the other paper's efficiency: Llama 3's H100 runs from Megatron-LM's A100 runs
-    within 10 %, Megatron-LM's from Llama 3's but its two smallest models (+27 %, +20 %:
-    the same kernels further from peak)."""
+    """Held out, every run within 15 %: Llama 3's H100 runs with the H200's figures (no
+    Llama 3 row set them), each Megatron-LM run with figures fitted on the other nine,
+    and each paper with the other source's figures."""
     published = _published()
+    for rows in (published.held_out(), published.crossed()):
+        assert len(rows) == 13
+        ratios = {run.source: got / run.tflops for run, _, got in rows}
+        assert all(abs(r - 1) <= published.TOLERANCE for r in ratios.values()), ratios
 
-    def misses(rows):
-        return {run.source: round(got / run.tflops, 2) for run, _, got in rows
-                if abs(got / run.tflops - 1) > published.TOLERANCE}
 
-    assert misses(published.held_out()) == {
-        "Megatron-LM, Table 1: 1.7B": 1.23, "Megatron-LM, Table 1: 3.6B": 1.16,
-        "Megatron-LM, Table 1: 529.6B": 0.84, "Megatron-LM, Table 1: 1008.0B": 0.84}
-    crossed = published.crossed()
-    assert misses(crossed) == {"Megatron-LM, Table 1: 1.7B": 1.27,
-                               "Megatron-LM, Table 1: 3.6B": 1.2}
-    assert all(0.9 <= got / run.tflops <= 1 for run, _, got in crossed[:3])  # Llama 3
+def test_the_h200_steps_are_predicted() -> None:
+    """The H200's measured steps: eager ones fitted within 5 %, the others (every block
+    checkpointed, compiled blocks) predicted within 10 %; bytes saved per layer within 1 %
+    with the kernels' factors (eager 1.27, compiled 1.06, full recomputation 1.00)."""
+    from ddplab.planning import steps
+
+    assert len(steps.STEPS) == 8
+    for s in steps.STEPS:
+        ratio = s.predict(GPUS["h200"]).step / s.seconds
+        assert abs(ratio - 1) <= (0.05 if s.mode == "eager" else 0.10), (s.model.name, s.mode,
+                                                                        ratio)
+        assert s.saved_per_layer / s.saved_predicted() == pytest.approx(1, abs=0.01)
+    # efficiency follows width: a step's MFU, predicted, at hidden 2,048 and 8,192
+    eager = {s.model.hidden: s.predict(GPUS["h200"]) for s in steps.STEPS[:6]
+             if s.mode == "eager"}
+    assert eager[2048].mfu < 0.9 * eager[8192].mfu
+
+
+def test_every_pipeline_depth_is_searched() -> None:
+    """A pipeline of 12 or 35 stages is tried (not powers of two only), and interleaving
+    as far as the layers split evenly."""
+    from ddplab.planning.predict import layouts
+
+    gpt = _gpt(layers=105, hidden=20480, heads=128)
+    tried = layouts(gpt, GPUS["a100-80gb"], 8 * 35 * 9, framework="megatron-2021")
+    assert {lay.pp for lay in tried} >= {35, 5, 7, 15, 21, 105}
+    assert {lay.interleave for lay in tried if lay.pp == 35} == {1, 3}
+    llama = MODELS["llama3-70b"]
+    tried = layouts(llama, GPUS["h100"], 96)
+    assert 12 in {lay.pp for lay in tried}
+    assert {lay.interleave for lay in tried if lay.pp == 8} == {1, 2, 5, 10}
+
+
+def test_frameworks_limit_what_search_tries() -> None:
+    """Megatron-LM 2021 had no sequence parallelism, no selective recomputation, no ZeRO
+    and no CP; DeepSpeed's pipeline takes ZeRO-1 at most; torchtitan's pipeline keeps
+    gradients unsharded. `plan` says why a framework cannot run a layout."""
+    from ddplab.planner import FRAMEWORKS
+    from ddplab.planning.predict import layouts
+
+    m, c = MODELS["llama3-70b"], GPUS["h100"]
+    old = layouts(m, c, 64, framework="megatron-2021")
+    assert {lay.sp for lay in old if lay.tp > 1} == {False}
+    assert {lay.recompute for lay in old} == {"none", "full"}
+    assert {lay.zero for lay in old} == {0} and {lay.cp for lay in old} == {1}
+    ds = layouts(m, c, 64, framework="deepspeed")
+    assert max(lay.zero for lay in ds if lay.pp > 1) == 1 and {lay.interleave for lay in ds} == {1}
+    titan = layouts(m, c, 64, framework="torchtitan")
+    piped = [lay for lay in titan if lay.pp > 1 and lay.zero == 3]
+    assert all(lay.grad_sync == "step" for lay in piped)
+    # kept weights without interleaving; the interleaved runtime reshards the stages it runs
+    assert all(lay.keep_weights == (lay.interleave == 1) for lay in piped)
+    assert {lay.kernels for lay in titan} == {"eager"} and all(lay.fp32_shards for lay in titan)
+    p = plan(m, c, 64, Layout(tp=8, pp=2, zero=2, recompute="selective"), 512,
+             FRAMEWORKS["megatron-2021"])
+    assert p.reasons[:3] == ["Megatron-LM 2021 has no ZeRO-2 (it has 0)",
+                             "Megatron-LM 2021 has no sequence parallelism",
+                             "Megatron-LM 2021 has no selective recomputation"]
+
+
+def test_search_finds_the_published_layouts_of_megatron_lm_s_largest_models() -> None:
+    """Restricted to the paper's software (Megatron-LM 2021: no SP, no ZeRO, no selective
+    recomputation), search ranks the published TP × PP of the 529.6B and 1T models among
+    its top 5: a pipeline of 35 and of 64 stages, which powers of two alone never found."""
+    published = _published()
+    for run in published.MEGATRON[-2:]:
+        found = search(run.model, GPUS[run.gpu], run.gpus, run.batch, framework=run.framework)
+        top = [(p.layout.tp, p.layout.pp) for p in found.plans[:5]]
+        assert (run.layout.tp, run.layout.pp) in top, (run.source, top)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -248,11 +360,41 @@ def test_cli_infeasible_exits_1_and_bad_input_exits_2() -> None:
     done = _cli("--model", "llama3-70b", "--tp", "3")
     assert done.returncode == 1 and "heads 64 not divisible by TP 3" in done.stdout
     for args, words in ((["--gpu", "b300"], "h100"), (["--model", "llama9"], "llama3-8b"),
-                        (["--tokens", "100"], "less than one 8192-token sequence"),
+                        (["--tokens", "100"], "less than one 8,192-token sequence"),
                         (["--zero", "4"], "invalid choice"),
                         (["--efficiency", "1.5"], "efficiency 1.5")):
         done = _cli(*args)
         assert done.returncode == 2 and words in done.stderr, (args, done.stderr)
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--batch", "0"], "--batch 0: must be a positive integer"),
+    (["--gpus", "-8"], "--gpus -8: must be a positive integer"),
+    (["--micro-batch", "0"], "--micro-batch 0: must be a positive integer"),
+    (["--hidden", "0"], "--hidden 0: must be a positive integer"),
+    (["--interleave", "4"], "--interleave 4: virtual stages need a pipeline; give --pp"),
+    (["--inter-bw", "0"], "--inter-bw 0: must be positive"),
+    (["--intra-latency", "-1"], "--intra-latency -1: must be at least 0"),
+    (["--efficiency", "0"], "--efficiency 0: must be in (0, 1]"),
+])
+def test_cli_bad_values_name_their_flag_in_one_line(args: list[str], line: str) -> None:
+    done = _cli(*args)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and line in done.stderr, done.stderr
+
+
+def test_cli_says_what_an_override_kept_and_flags_an_absurd_step() -> None:
+    done = _cli("--hidden", "2048", "--json")
+    assert done.returncode in (0, 1)  # planned, whether or not it fits
+    assert json.loads(done.stdout)["model"]["name"] == "Llama 3 8B with hidden 2,048"
+    assert "keeps the preset's layers 32, heads 32, kv heads 8, ffn 14,336" in done.stderr
+    huge = _cli("--batch", str(10**12), "--zero", "3")
+    assert "one step takes" in huge.stderr and "years" in huge.stderr and "--batch" in huge.stderr
+    fast = _cli("--inter-bw", "12.5", "--inter-latency", "20", "--gpus", "16", "--json")
+    cluster = json.loads(fast.stdout)["cluster"]
+    assert cluster["inter"]["beta"] == pytest.approx(1 / 12.5e9)
+    assert cluster["inter"]["alpha"] == pytest.approx(20e-6)
+    assert cluster["intra"] == json.loads(json.dumps(dataclasses.asdict(GPUS["h100"].intra)))
 
 
 def test_bad_values_raise_naming_the_problem() -> None:
@@ -293,7 +435,10 @@ def test_what_if_keeps_the_preset() -> None:
     assert slower.efficiency == half and GPUS["h100"].efficiency == 2 * half
     a = plan(MODELS["llama3-8b"], GPUS["h100"], 8, Layout(zero=3, recompute="full"), 64)
     b = plan(MODELS["llama3-8b"], slower, 8, Layout(zero=3, recompute="full"), 64)
-    assert b.time["compute"] == pytest.approx(a.time["compute"] * 2, rel=1e-9)
+    # the FLOPs' share doubles; the overhead a layer (launches) does not
+    overhead = GPUS["h100"].overhead * 32 * a.micro_batches * 4 / 3
+    assert b.time["compute"] - overhead == pytest.approx(2 * (a.time["compute"] - overhead),
+                                                         rel=1e-9)
     assert dataclasses.asdict(a.layout) == dataclasses.asdict(b.layout)
 
 
@@ -309,7 +454,7 @@ def test_pipeline_stages_are_whole_layers() -> None:
     assert sum(stages(126, 16, 1.0, 1.0)) == 126 and stages(3, 1, 1.0, 1.0) == [3]
     p = plan(MODELS["llama3-70b"], GPUS["h100"], 64,
              Layout(tp=2, pp=16, cp=2, zero=2, recompute="selective"), 512)
-    assert sum(p.stages) == 80 and max(p.stages) == 6
+    assert sum(p.stages) == 80 and max(p.stages) in (5, 6)
     whole = plan(MODELS["llama3-70b"], GPUS["h100"], 64,
                  Layout(tp=2, pp=16, cp=2, zero=2, recompute="selective", balanced=False), 512)
     assert p.time["compute"] <= whole.time["compute"]

@@ -1,6 +1,6 @@
 """The planner checked on this machine (issue 22's check 1): `ddplab.planner.plan`, given α,
 β and FLOP/s measured on the pool's ranks, against the kit's own CPU runs of DP, ZeRO-1,
-ZeRO-3, TP (chapter 10a's, by hand) and PP (GPipe by hand) on 2 ranks.
+ZeRO-3, TP (chapter 10a's, by hand) and PP (chapter 10b's, by hand: GPipe) on 2 ranks.
 
 Memory: the ledger's bytes per category on the fullest rank, within 5 % of the plan (they
 agree to 0.3 %). Step time: the CPU time of each rank's thread (a loaded machine
@@ -70,6 +70,45 @@ def test_tp_by_hand_is_the_unsharded_model(pool):
         assert got["finite"]
         assert got["loss"] < 1e-6 and got["gradients"] < 1e-6, got
         assert 0.5 < got["held"] < 0.501, got  # half of everything, and the norms whole
+
+
+def _pp_against_the_unsharded_model():
+    """Run on every rank: one step of the PP layout (`cpu._layout`: this rank's stage, run
+    by chapter 10b's `pp.train_step`) against the unsharded model's step on the whole
+    batch: the loss, the largest difference of the stage's gradients, what it holds."""
+    import torch.distributed as dist
+
+    from ddplab.parallel import pp
+
+    layout = LAYOUTS["PP"]
+    full = cpu.build(SHAPE)
+    ids, target = cpu.batch(SHAPE, BATCH, 0, 0)
+    reference = cpu.loss_fn(full(ids), target)
+    reference.backward()
+    model, _, data = cpu._layout(SHAPE, layout, BATCH, 0, 1e-3)
+    loss = model(data[0][0])
+    whole = dict(full.named_parameters())
+    worst = max((p.grad - whole[name.removeprefix("stage.")].grad).abs().max().item()
+                for name, p in model.named_parameters())
+    m, rank = BATCH // layout.micro_batch, dist.get_rank()
+    return {"loss": loss.item(), "reference": reference.item(), "gradients": worst,
+            "children": [n for n, _ in model.stage.named_children()],
+            "order": model.record.schedule == pp.order(layout.schedule, rank, 2, m),
+            "in_flight": model.record.peak_in_flight}
+
+
+def test_pp_by_hand_is_the_unsharded_model(pool):
+    """The PP layout the checks measure is chapter 10b's pipeline (`pp.split` into whole
+    layers, the embedding on the first stage and the logit layer on the last,
+    `pp.train_step` with GPipe's order over 4 micro-batches): its gradients are the
+    unsharded model's, its loss (the last stage's) the whole batch's."""
+    first, last = pool.run(_pp_against_the_unsharded_model)
+    for got in (first, last):
+        assert got["gradients"] < 1e-6 and got["order"] and got["in_flight"] == 4, got
+    assert first["children"] == ["embed", "layer0"]
+    assert last["children"] == ["layer1", "norm", "head"]
+    assert first["loss"] == 0.0
+    assert abs(last["loss"] - last["reference"]) < 1e-5, last
 
 
 def test_memory_per_rank_is_the_plans_within_5_percent(pool):

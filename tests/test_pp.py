@@ -1,5 +1,6 @@
 """ddplab.parallel.pp: pipeline parallelism by hand, GPipe and 1F1B, against the same model's
-gradients on one process; activations in flight counted; bad input refused; a mismatch ends.
+gradients on one process; activations in flight counted, or left to the caller's hooks;
+stages of given sizes; bad input refused; a mismatch ends.
 
 Real ranks (one ddplab Pool of 4 for the whole file, its first two ranks for 2-stage runs),
 real gloo point-to-point messages; nothing mocked.
@@ -99,6 +100,59 @@ def test_activations_in_flight_gpipe_holds_m_1f1b_at_most_p(pool):
     # stage 0 of 2 layers: a micro-batch of 4 rows saves the Linear's input and the Tanh's
     # output, 2 × 4 × 12 floats (the weights it saves are parameters, not counted)
     assert one[0]["record"].peak_bytes == 4 * (2 * 4 * WIDTH * 4)
+
+
+def saved_by_the_caller_on_rank(count_saved: bool) -> dict:
+    """One GPipe step of 2 stages inside the caller's own saved-tensor hooks (as chapter 9's
+    ledger counts a step): the bytes the caller saw saved, and what the record counted."""
+    group = group_of(2)
+    stage = pp.split(model(), 2)[dist.get_rank(group)]
+    params = {q.untyped_storage().data_ptr() for q in stage.parameters()}
+    seen: set[tuple[int, int]] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            seen.add((t.data_ptr(), t.numel() * t.element_size()))
+        return t
+
+    x, y = batch()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        record = pp.train_step(stage, schedule="gpipe", micro_batches=4, inputs=x, targets=y,
+                               loss_fn=nn.functional.mse_loss, group=group, timeout=20,
+                               count_saved=count_saved)
+    return {"record": record.peak_bytes, "caller": sum(nbytes for _, nbytes in seen),
+            "in_flight": record.peak_in_flight, "grads": [q.grad for q in stage.parameters()]}
+
+
+@pytest.mark.slow
+def test_count_saved_false_leaves_the_saved_tensors_to_the_callers_hooks(pool):
+    """torch applies only the innermost pair of saved-tensor hooks: by default the step's
+    own count hides the saved tensors from the caller's; with count_saved=False the caller
+    sees exactly what the step would have counted, and the step is the same."""
+    counted = pool.run(saved_by_the_caller_on_rank, True, ranks=[0, 1])
+    left = pool.run(saved_by_the_caller_on_rank, False, ranks=[0, 1])
+    for r in (0, 1):
+        assert counted[r]["record"] > 0 and counted[r]["caller"] == 0, counted[r]
+        assert left[r]["record"] == 0 and left[r]["caller"] == counted[r]["record"], left[r]
+        assert left[r]["in_flight"] == counted[r]["in_flight"] == 4
+        assert all(torch.equal(a, b) for a, b in zip(left[r]["grads"], counted[r]["grads"],
+                                                      strict=True))
+
+
+def test_split_into_stages_of_given_sizes_keeps_the_layers_and_their_names():
+    from collections import OrderedDict
+
+    layers = OrderedDict((name, nn.Linear(2, 2)) for name in ("embed", "l0", "l1", "norm",
+                                                               "head"))
+    first, last = pp.split(nn.Sequential(layers), 2, sizes=[2, 3])
+    assert [n for n, _ in first.named_children()] == ["embed", "l0"]
+    assert [n for n, _ in last.named_children()] == ["l1", "norm", "head"]
+    assert last.head is layers["head"]  # the model's own layers, not copies
+    for sizes in ([2, 2], [5, 0], [1, 1, 3]):
+        with pytest.raises(ValueError, match=rf"sizes \[{sizes[0]}, .* do not cut 5 layers "
+                                             "into 2 stages: give 2 positive ints that add "
+                                             "up to 5"):
+            pp.split(nn.Sequential(layers), 2, sizes=sizes)
 
 
 def test_orders_and_the_ideal_bubble():

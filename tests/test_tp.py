@@ -1,10 +1,12 @@
 """ddplab.parallel.tp and ddplab.parallel.sp: tensor and sequence parallelism by hand,
-checked against the unsharded blocks (outputs and every gradient), their collectives
+checked against the unsharded blocks (outputs and every gradient), the vocabulary-parallel
+embedding and cross-entropy against `nn.Embedding` and `F.cross_entropy`, their collectives
 recorded and counted against the arithmetic, SP's saved activations measured against TP's.
 
 Real ranks (one ddplab Pool of 4, gloo, shared by the module): the whole world as one TP
 group of 4 (the tensor-parallel blocks), and two TP groups of 2 (ranks 0-1 and 2-3: the
-sequence-parallel block) for the explicit `group=` a 2-D mesh needs. Every test that uses
+sequence-parallel block, the vocabulary-parallel layers) for the explicit `group=` a 2-D
+mesh needs. Every test that uses
 the pool is marked slow, so that the fast inner loop (`make quick`) starts no pool here.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ddplab import Pool
@@ -31,10 +34,12 @@ from ddplab.parallel.tp import (
     RowParallelLinear,
     TensorParallelAttention,
     TensorParallelMLP,
+    VocabParallelEmbedding,
     causal_attention,
     copy_to_tp,
     reduce_from_tp,
     shard_range,
+    vocab_parallel_cross_entropy,
 )
 from ddplab.sharding import measure_step, record_collectives
 
@@ -157,6 +162,93 @@ def test_tp_blocks_equal_the_unsharded_with_one_all_reduce_each_way(pool):
                 assert sum(c.sent for c in comms) == 2 * round(2 * 3 / 4 * B * T * D * F32)
 
 
+# --- the vocabulary: embedding and cross-entropy split by token id ----------------------
+
+VOCAB = 16
+
+
+def vocab_case(size: int) -> dict:
+    """The vocabulary-parallel embedding against `nn.Embedding` and the vocabulary-parallel
+    cross-entropy against `F.cross_entropy`, over this rank's TP group of `size`: the
+    largest differences of outputs, losses and gradients (each rank's rows of the table,
+    its classes of the logits), and the collectives each issued."""
+    group = tp_group(size)
+    torch.manual_seed(0)
+    full = nn.Embedding(VOCAB, D)
+    embed = VocabParallelEmbedding(full, group)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    ids[0, :VOCAB // 2] = torch.arange(0, VOCAB, 2)  # every rank's rows looked up
+    weights = torch.randn(B, T, D, generator=g)  # a loss whose gradient differs by token
+    (full(ids) * weights).sum().backward()
+    with record_collectives() as embed_comms:
+        y = embed(ids)
+        (y * weights).sum().backward()
+    rows = slice(embed.start, embed.stop)
+
+    logits = torch.randn(B, T, VOCAB, generator=g, requires_grad=True)
+    target = torch.randint(0, VOCAB, (B, T), generator=g)
+    reference = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    reference.backward()
+    classes = slice(*shard_range(VOCAB, group))
+    mine = logits.detach()[..., classes].clone().requires_grad_()
+    with record_collectives() as loss_comms:
+        loss = vocab_parallel_cross_entropy(mine, target, group)
+        loss.backward()
+    return {"embedding": (y - full(ids)).abs().max().item(),
+            "embedding_grad": (embed.weight.grad - full.weight.grad[rows]).abs().max().item(),
+            "rows": (embed.start, embed.stop),
+            "loss": (loss - reference).abs().item(),
+            "logits_grad": (mine.grad - logits.grad[..., classes]).abs().max().item(),
+            "comms": [(c.kind, c.bytes, c.world_size) for c in (*embed_comms, *loss_comms)]}
+
+
+@pytest.mark.slow
+def test_vocab_parallel_embedding_and_cross_entropy_equal_the_unsharded(pool):
+    """On TP groups of 2 (ranks 0-1, 2-3): the embedding's output and its rows' gradient
+    equal `nn.Embedding`'s with one all-reduce of the activations forward and none
+    backward; the loss and each rank's classes' gradient equal `F.cross_entropy`'s, with
+    three all-reduces of one float a token (the maximum, the sum, the target's logit)."""
+    for r, out in enumerate(pool.run(vocab_case, 2)):
+        print(f"rank {r}: max |Δ| embedding {out['embedding']:.1e}, its gradient "
+              f"{out['embedding_grad']:.1e}; loss {out['loss']:.1e}, logits' gradient "
+              f"{out['logits_grad']:.1e}")
+        assert out["rows"] == ((r % 2) * VOCAB // 2, (r % 2 + 1) * VOCAB // 2)
+        for what in ("embedding", "embedding_grad", "loss", "logits_grad"):
+            assert out[what] < TOL, (r, what, out)
+        assert out["comms"] == ([("all_reduce", B * T * D * F32, 2)]
+                                + [("all_reduce", B * T * F32, 2)] * 3)
+
+
+def out_of_vocabulary() -> dict:
+    """Ids outside the vocabulary, refused on every rank before any collective."""
+    embed = VocabParallelEmbedding(nn.Embedding(VOCAB, D))
+    logits = torch.zeros(2, 3, VOCAB // dist.get_world_size())
+    out = {}
+    for name, attempt in (
+            ("embedding", lambda: embed(torch.tensor([[0, 3, VOCAB]]))),
+            ("negative", lambda: embed(torch.tensor([[-1, 3]]))),
+            ("ignored", lambda: vocab_parallel_cross_entropy(
+                logits, torch.tensor([[1, -100, 2], [0, 1, 2]]))),
+            ("shape", lambda: vocab_parallel_cross_entropy(logits, torch.zeros(6).long()))):
+        try:
+            attempt()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_an_id_outside_the_vocabulary_is_refused_not_counted_as_zeros(pool):
+    for out in pool.run(out_of_vocabulary):
+        assert out["embedding"] == ("a token id outside the vocabulary [0, 16): 0 … 16; the "
+                                    "vocabulary-parallel layers take no ignored or padding ids")
+        assert "a token id outside the vocabulary [0, 16): -1 … 3" in out["negative"]
+        assert "a target outside the vocabulary [0, 16): -100 … 2" in out["ignored"]
+        assert "logits of shape (2, 3, 4) need targets of shape (2, 3)" in out["shape"]
+
+
 # --- sequence parallelism --------------------------------------------------------------
 
 def gather_scatter() -> dict:
@@ -259,6 +351,9 @@ def errors() -> dict:
         "head_dim": lambda: Attention(10, 4),
         "row_input": lambda: RowParallelLinear(nn.Linear(8, 8))(torch.ones(2, 8)),
         "sequence": lambda: split_sequence(torch.ones(2, 6, 8)),
+        "vocabulary": lambda: VocabParallelEmbedding(nn.Embedding(10, 8)),
+        "not_embedding": lambda: VocabParallelEmbedding(nn.Linear(8, 8)),
+        "padding": lambda: VocabParallelEmbedding(nn.Embedding(8, 8, padding_idx=0)),
     }
     pair = dist.new_group([0, 1])  # collective: every rank makes it, only 0 and 1 are in it
     if dist.get_rank() >= 2:
@@ -283,6 +378,9 @@ def test_bad_input_gets_an_error_naming_the_problem_and_the_fix(pool):
     assert "this rank's slice of the input features (2 of them), got 8" in out["row_input"]
     assert "6 positions" in out["sequence"] and "divisible by 4" in out["sequence"]
     assert "rank 2 is not in this group" in out["not_in_group"]
+    assert "num_embeddings = 10 does not split over 4 ranks" in out["vocabulary"]
+    assert "full nn.Embedding" in out["not_embedding"] and "Linear" in out["not_embedding"]
+    assert "without padding_idx or max_norm" in out["padding"]
 
 
 def test_attention_without_ranks_checks_its_heads_and_masks_on_the_inputs_device():

@@ -198,8 +198,8 @@ def test_the_planner_explorer_replans_on_every_change():
     panel = PlannerExplorer("llama3-70b", "h100", 64)
     assert repr(panel) == ("PlannerExplorer(Llama 3 70B on 64 × H100 SXM 80GB, batch 512: "
                            "DP 64, TP 1, PP 1, CP 1, ZeRO-0, micro-batch 1, recompute none)")
-    assert panel.plan.reasons == ["needs 1867 GiB, has 80"]
-    assert "needs 1867 GiB, has 80" in panel.text.value
+    assert panel.plan.reasons == ["needs 1998 GiB, has 80"]
+    assert "needs 1998 GiB, has 80" in panel.text.value
     first = panel.image.value
     panel.tp.value = 8  # one control: re-planned and redrawn
     assert panel.plan.dp == 8 and panel.image.value != first

@@ -1090,7 +1090,8 @@ def _describe(rows) -> str:
 # --- 10.6 the model's state on one GPU of a layout (chapter 10d) ---
 
 STATE = ("parameters", "gradients", "optimizer")
-"""What exercise 10.6 predicts: a GPU's model state, in bytes (mixed-precision Adam)."""
+"""What exercise 10.6 predicts: a GPU's model state, in bytes (mixed-precision Adam with
+fp32 gradients: 2 + 4 + 12 bytes a parameter)."""
 
 
 def _cases() -> list[tuple[str, str, int, dict]]:
@@ -1132,7 +1133,7 @@ def _variant(name: str, gpus: int, fields: dict, mistake: str) -> dict[str, floa
         ends = m.hidden * m.vocab
     psi = (layers * layer + ends) / (1 if mistake == "no tp" else tp)
     shard = dp if mistake == "dp only" else dp * cp
-    words = (4, 4, 8) if mistake == "fp32" else (2, 2, 12)
+    words = {"fp32": (4, 4, 8), "bf16 grads": (2, 2, 12)}.get(mistake, (2, 4, 12))
     return {"parameters": words[0] * psi / (shard if zero >= 3 else 1),
             "gradients": words[1] * psi / (shard if zero >= 2 and mistake != "grads" else 1),
             "optimizer": words[2] * psi / (shard if zero >= 1 else 1)}
@@ -1147,8 +1148,11 @@ MISTAKES = {
     "even": "a stage holds whole layers: the fullest holds ⌈layers / PP⌉ of them",
     "both ends": "with PP, the embedding sits on the first stage and the logit layer on the "
                  "last: the fullest stage holds one of them, not both",
-    "fp32": "mixed precision: bf16 weights and gradients (2 bytes each), fp32 master weights "
-            "and Adam's two moments (12 bytes)",
+    "fp32": "mixed precision: bf16 weights (2 bytes), fp32 gradients (4) and fp32 master "
+            "weights with Adam's two moments (12)",
+    "bf16 grads": "mixed precision accumulates the gradients in fp32, 4 bytes a parameter "
+                  "(Megatron-LM's main_grad, FSDP2's reduce_dtype), each bf16 gradient freed "
+                  "once added",
 }
 
 

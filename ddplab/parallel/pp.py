@@ -28,7 +28,8 @@ forward, each stage idles (p − 1)/(m + p − 1) of the step (the Ultra-Scale P
 Each stage records when it ran each forward and backward (`Event`s, on a clock the caller
 gives: every rank of one machine shares `time.perf_counter()`), and how many micro-batches'
 activations it held at most, and their bytes (the tensors autograd saved, counted with
-`torch.autograd.graph.saved_tensors_hooks`), as plain data for pictures.
+`torch.autograd.graph.saved_tensors_hooks`; `count_saved=False` leaves them to a caller's
+own hooks, such as chapter 9's ledger), as plain data for pictures.
 
 Here every message is waited for before the computation that needs it, so a rank computes
 *or* waits. On GPUs, NCCL's sends and receives run on CUDA streams of their own and overlap
@@ -37,8 +38,10 @@ the next micro-batch's computation; that overlap is GPU-only and not shown on a 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -123,17 +126,33 @@ class FixedTime(nn.Module):
         return _Sleep.apply(self.linear(x), *self.seconds)
 
 
-def split(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
-    """Cut a sequential model into `stages` consecutive stages of equally many layers.
+def split(model: nn.Sequential, stages: int,
+          sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """Cut a sequential model into `stages` consecutive stages of equally many layers, or
+    of `sizes[s]` layers for stage s (the model's children, in order; each at least one).
 
     Equal stages make equal work (for layers of one size), and the schedules' arithmetic
-    assumes it: the slowest stage sets the pace of all of them.
+    assumes it: the slowest stage sets the pace of all of them. `sizes` is for a model
+    whose ends are not layers like the others: a transformer's embedding goes with its
+    first blocks and its final norm and logit layer with its last ones. With `sizes`, a
+    stage keeps its children's names.
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"split() cuts an nn.Sequential, not {type(model).__name__}: write the "
                         "model as nn.Sequential(layer, layer, ...) so its order is explicit")
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be a positive int, not {stages!r}")
+    if sizes is not None:
+        sizes = list(sizes)
+        if (len(sizes) != stages or sum(sizes) != len(model)
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)):
+            raise ValueError(f"sizes {sizes} do not cut {len(model)} layers into {stages} "
+                             f"stages: give {stages} positive ints that add up to "
+                             f"{len(model)}")
+        children = list(model.named_children())
+        cuts = [sum(sizes[:k]) for k in range(stages + 1)]
+        return [nn.Sequential(OrderedDict(children[cuts[k]:cuts[k + 1]]))
+                for k in range(stages)]
     if len(model) % stages:
         raise ValueError(f"{len(model)} layers do not divide into {stages} equal stages: use a "
                          f"number of stages that divides {len(model)}, or a model of "
@@ -207,7 +226,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
                shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
                group: dist.ProcessGroup | None = None, t0: float = 0.0,
                clock: Callable[[], float] = time.perf_counter,
-               timeout: float = 30.0) -> StepRecord:
+               timeout: float = 30.0, count_saved: bool = True) -> StepRecord:
     """Run this rank's stage for one step of `micro_batches` micro-batches; the gradients
     accumulate in the stage's parameters' `.grad` (call `zero_grad` between steps).
 
@@ -219,6 +238,11 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
     stages (a receiver must know what it receives); by default the shape of an input
     micro-batch, for layers that keep the width; `dtype` its type (by default the stage's
     parameters'). `schedule` is "gpipe", "1f1b" or an order of your own (`order`'s form).
+
+    `count_saved` False leaves the tensors autograd saves to the caller's own
+    `saved_tensors_hooks` (torch applies only the innermost pair: chapter 9's ledger,
+    `ddplab.sharding.measure_step`, can count a step of `train_step` only so); the record's
+    `peak_bytes` is then 0. Its `peak_in_flight` is counted either way.
 
     A message not there within `timeout` seconds raises `StageTimeout` (stages that
     disagree on the schedule would otherwise wait forever); any other failure of a message
@@ -291,7 +315,8 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
                 return t
 
             start = clock()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved
+                  else contextlib.nullcontext()):
                 y = stage_module(x)
                 if last:
                     y = loss_fn(y, labels[mb]) / m  # the m micro-batches' mean, accumulated

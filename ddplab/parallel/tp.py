@@ -24,6 +24,16 @@ slice), so an MLP, or an attention block whose heads are split across ranks, cos
 ONE all-reduce forward (g) and ONE backward (f) of the activations (batch × sequence ×
 hidden numbers) per block: 2·(N-1)/N of those bytes sent per rank for each on a ring.
 
+The two ends of a language model are split by vocabulary instead (Megatron-LM's
+`VocabParallelEmbedding` and `vocab_parallel_cross_entropy`): rank r keeps rows
+r·V/N … of the embedding table, looks up the tokens that fall in them (zeros for the
+others) and g adds the ranks' lookups; the logit layer is column-parallel, so rank r holds
+only its V/N classes' logits, and the cross-entropy gathers what it needs of the others
+(the softmax's maximum, its sum and each target's logit: three all-reduces of one number
+a token) instead of the whole vocabulary's logits (V numbers a token, the largest
+activation of a small model). A token id outside the vocabulary belongs to no rank and
+would silently count as zeros: both refuse it.
+
 Every class here is built FROM a full (unsharded) layer and copies its slice of the
 weights, so the sharded model and the unsharded one start equal and can be checked equal.
 Each takes an explicit process `group` (default: the whole world), so the same code runs on
@@ -43,8 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MLP", "Attention", "ColumnParallelLinear", "RowParallelLinear",
-           "TensorParallelAttention", "TensorParallelMLP", "causal_attention", "copy_to_tp",
-           "reduce_from_tp", "shard_range"]
+           "TensorParallelAttention", "TensorParallelMLP", "VocabParallelEmbedding",
+           "causal_attention", "copy_to_tp", "reduce_from_tp", "shard_range",
+           "vocab_parallel_cross_entropy"]
 
 
 def shard_range(size: int, group: Any = None, what: str = "size") -> tuple[int, int]:
@@ -166,6 +177,108 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(self.local(x), self.group)
         return y + self.bias if self.bias is not None else y
+
+
+# --- the vocabulary: the embedding and the loss split by token id -----------------------
+
+def _check_ids(ids: torch.Tensor, vocabulary: int, what: str) -> None:
+    """Split by vocabulary, an id outside it belongs to no rank and would silently count as
+    zeros (the unsharded layers raise, or ignore -100): refuse it."""
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocabulary):
+        raise ValueError(f"a {what} outside the vocabulary [0, {vocabulary}): "
+                         f"{ids.min().item()} … {ids.max().item()}; the vocabulary-parallel "
+                         "layers take no ignored or padding ids")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of `full`'s table, rows [start, stop): a slice of the vocabulary
+    (Megatron-LM's `VocabParallelEmbedding`). Input: the token ids, the same on every
+    rank; output: `full(ids)`, the same on every rank. A token outside this rank's rows
+    looks up zeros, and g's all-reduce adds the ranks' lookups, so each token gets its one
+    row. Backward needs no communication: each rank's rows get the gradient of the tokens
+    that fell in them, the rest stays on the rank that holds it.
+
+    Why split by rows: the table is V × h, as large as the logit layer, and split this way
+    each rank holds V/N rows and does 1/N of the lookups; its one all-reduce is of the
+    activations (batch × sequence × hidden numbers), the same as a row-parallel layer's.
+    It saves for backward the ids it looked up (shifted into its rows) and a byte a token
+    saying which are its own."""
+
+    def __init__(self, full: nn.Embedding, group: Any = None) -> None:
+        super().__init__()
+        if not isinstance(full, nn.Embedding):
+            raise TypeError("VocabParallelEmbedding is built from a full nn.Embedding (it "
+                            f"copies its rows of the table), not {type(full).__name__}")
+        if full.padding_idx is not None or full.max_norm is not None:
+            raise ValueError("VocabParallelEmbedding copies the table only: build it from an "
+                             "nn.Embedding without padding_idx or max_norm")
+        self.group, self.num_embeddings = group, full.num_embeddings
+        self.start, self.stop = shard_range(full.num_embeddings, group, "num_embeddings")
+        self.weight = nn.Parameter(full.weight.detach()[self.start:self.stop].clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _check_ids(ids, self.num_embeddings, "token id")
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.stop - self.start)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits split by class, token by token (Megatron-LM's
+    `_VocabParallelCrossEntropy`). It keeps for the backward only this rank's slice of the
+    softmax, the targets' places and which of them are this rank's: autograd's own ops
+    would also keep the logits (`gather` saves its input), twice the memory."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int,
+                group: Any) -> torch.Tensor:
+        width = logits.shape[-1]
+        peak = logits.max(dim=-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        softmax = (logits - peak.unsqueeze(-1)).exp_()
+        total = softmax.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        local = target - start
+        inside = (local >= 0) & (local < width)
+        local = local.clamp(0, width - 1)
+        picked = logits.gather(1, local.unsqueeze(-1)).squeeze(-1) - peak
+        picked = picked.masked_fill_(~inside, 0.0)
+        dist.all_reduce(picked, group=group)  # each token's target logit, from its holder
+        softmax.div_(total.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, inside)
+        return total.log_() - picked
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local, inside = ctx.saved_tensors
+        grad_logits = softmax.clone()  # softmax − one-hot(target), times the loss's gradient
+        grad_logits[torch.arange(len(local)), local] -= inside.to(grad_logits.dtype)
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 group: Any = None) -> torch.Tensor:
+    """The mean cross-entropy of logits split by class over `group`: each rank passes its
+    slice of the vocabulary, the last dimension (a `ColumnParallelLinear` logit layer's
+    output, shape (..., V/N)), and the targets (shape (...), the same on every rank);
+    every rank gets the same loss, equal to `F.cross_entropy` of the whole logits
+    (flattened to (tokens, V)). Computed in the logits' dtype, as `F.cross_entropy` is:
+    pass `logits.float()` for an fp32 softmax.
+
+    Why: the whole logits are V numbers a token, and gathering them would undo the split.
+    Instead the softmax's maximum (all-reduced with MAX), its sum of exponentials and
+    each target's logit (from the one rank that holds it) are all-reduced: three numbers a
+    token. The gradient is each rank's slice of softmax − one-hot(target), with no
+    communication backward."""
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"logits of shape {tuple(logits.shape)} need targets of shape "
+                         f"{tuple(logits.shape[:-1])} (one a token), got {tuple(target.shape)}")
+    vocabulary = logits.shape[-1] * dist.get_world_size(group)
+    _check_ids(target, vocabulary, "target")
+    start, _ = shard_range(vocabulary, group, "vocabulary")
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), start, group).mean()
 
 
 # --- the blocks: unsharded references and their tensor-parallel versions ----------------

@@ -21,14 +21,18 @@ are the rank's: under 1 % of the activations here.
 
 The layouts a CPU pool runs, one at a time (no 2-D combinations): DP with DDP
 (`gradient_as_bucket_view`, so the ledger sees its buckets), ZeRO-1/2/3 with the kit's
-`ZeroAdam`, TP by hand with chapter 10a's layers (column-parallel Q, K, V and first MLP
-layer, row-parallel output projection and second MLP layer, the embedding split by
-vocabulary and the logits by class with a vocabulary-parallel loss: Megatron-LM's layout,
-without sequence parallelism: `Layout(sp=False)`; not torch's `parallelize_module`, whose
-DTensor dispatch, in Python on every call, adds a fixed cost to each step that a GPU hides
-behind its kernels and a CPU cannot), and PP by hand: two or more stages of whole layers,
-GPipe's schedule (every micro-batch's forward, then every backward), the activation sent
-forward and its gradient back with `send`/`recv` inside autograd.
+`ZeroAdam`, TP by hand with chapter 10a's layers (`ddplab.parallel.tp`: column-parallel
+Q, K, V and first MLP layer, row-parallel output projection and second MLP layer, the
+embedding split by vocabulary with `VocabParallelEmbedding` and the logits by class with
+`vocab_parallel_cross_entropy`: Megatron-LM's layout, without sequence parallelism:
+`Layout(sp=False)`; not torch's `parallelize_module`, whose DTensor dispatch, in Python on
+every call, adds a fixed cost to each step that a GPU hides behind its kernels and a CPU
+cannot), and PP by hand with chapter 10b's pipeline (`ddplab.parallel.pp`): one stage a
+rank, whole layers cut by `pp.split` as the planner splits them unbalanced (the embedding
+on the first stage, the norm and the logit layer on the last), a step run by
+`pp.train_step` in the layout's schedule (GPipe's, every micro-batch's forward then every
+backward, in `layouts`), the activations sent forward and their gradients back with
+`isend`/`irecv`.
 """
 
 from __future__ import annotations
@@ -41,13 +45,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ddplab.parallel import pp
 from ddplab.parallel.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
+    VocabParallelEmbedding,
     copy_to_tp,
-    reduce_from_tp,
-    shard_range,
+    vocab_parallel_cross_entropy,
 )
+from ddplab.planning.predict import stages as split_layers
 from ddplab.planning.shapes import Layout, Transformer
 
 SHAPE = Transformer("a CPU transformer", layers=2, hidden=256, heads=4, kv_heads=4, ffn=1024,
@@ -179,32 +185,14 @@ class _SharedF(nn.Module):
         return self.inner(copy_to_tp(x))
 
 
-class _VocabParallelEmbedding(nn.Module):
-    """This rank's rows of the embedding table (a slice of the vocabulary): a token outside
-    them looks up zeros, and g's all-reduce adds the ranks' lookups, so each token gets its
-    one row (Megatron-LM's `VocabParallelEmbedding`). The gradient stays split."""
-
-    def __init__(self, full: nn.Embedding) -> None:
-        super().__init__()
-        self.start, self.stop = shard_range(full.num_embeddings, what="the vocabulary")
-        self.weight = nn.Parameter(full.weight.detach()[self.start:self.stop].clone())
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _in_vocabulary(ids, self.weight.shape[0] * dist.get_world_size(), "token id")
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.stop - self.start)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0))
-
-
 def _tensor_parallel(model: nn.Sequential, shape: Transformer) -> nn.Sequential:
     """Megatron-LM's layout, by hand, with chapter 10a's layers (`ddplab.parallel.tp`):
     each block's Q, K, V and first MLP layer column-parallel behind one f each, its output
     projection and second MLP layer row-parallel with their g; the embedding split by
-    vocabulary; the logit layer column-parallel, by class (its loss is
-    `vocab_parallel_loss`). The norms stay whole on every rank. Built from the unsharded
+    vocabulary (`VocabParallelEmbedding`); the logit layer column-parallel, by class (its
+    loss is `vocab_parallel_loss`). The norms stay whole on every rank. Built from the unsharded
     model, so both start from the same weights."""
-    model.embed = _VocabParallelEmbedding(model.embed)
+    model.embed = VocabParallelEmbedding(model.embed)
     for i in range(shape.layers):
         block = model.get_submodule(f"layer{i}")
         attn = block.attn
@@ -217,122 +205,47 @@ def _tensor_parallel(model: nn.Sequential, shape: Transformer) -> nn.Sequential:
     return model
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of logits split by class, token by token (Megatron-LM's
-    `_VocabParallelCrossEntropy`): the softmax's maximum, its sum and the target's logit
-    each gathered with one all-reduce, so no rank ever holds the whole vocabulary's
-    logits. It keeps for the backward only this rank's slice of the softmax (fp32), the
-    targets' places and which of them are this rank's: autograd's own ops would also keep
-    the logits (`gather` saves its input), twice what the planner counts."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int) -> torch.Tensor:
-        width = logits.shape[-1]
-        peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        softmax = (logits - peak.unsqueeze(-1)).exp_()
-        total = softmax.sum(dim=-1)
-        dist.all_reduce(total)
-        local = target - start
-        inside = (local >= 0) & (local < width)
-        local = local.clamp(0, width - 1)
-        picked = logits.gather(1, local.unsqueeze(-1)).squeeze(-1) - peak
-        picked = picked.masked_fill_(~inside, 0.0)
-        dist.all_reduce(picked)  # each token's target logit, from the rank that holds it
-        softmax.div_(total.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, inside)
-        return total.log_() - picked
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        softmax, local, inside = ctx.saved_tensors
-        grad_logits = softmax.clone()  # softmax − one-hot(target), times the loss's gradient
-        grad_logits[torch.arange(len(local)), local] -= inside.to(grad_logits.dtype)
-        return grad_logits.mul_(grad.unsqueeze(-1)), None, None
-
-
 def vocab_parallel_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """`loss_fn` for logits split by class over the ranks (the TP layout's logit layer is
-    column-parallel): each rank passes its slice, every rank gets the same loss."""
-    logits = logits.flatten(0, 1).float()
-    vocabulary = logits.shape[-1] * dist.get_world_size()
-    _in_vocabulary(target, vocabulary, "target")
-    start, _ = shard_range(vocabulary, what="the vocabulary")
-    return _VocabParallelCrossEntropy.apply(logits, target.flatten(), start).mean()
+    column-parallel): chapter 10a's `vocab_parallel_cross_entropy`, in fp32. Each rank
+    passes its slice, every rank gets the same loss."""
+    return vocab_parallel_cross_entropy(logits.float(), target)
 
 
-def _in_vocabulary(ids: torch.Tensor, vocabulary: int, what: str) -> None:
-    """Split by vocabulary, an id outside it belongs to no rank and would silently count as
-    zeros (the unsharded layers raise, or ignore -100): refuse it."""
-    if ids.numel() and (ids.min() < 0 or ids.max() >= vocabulary):
-        raise ValueError(f"a {what} outside the vocabulary [0, {vocabulary}): "
-                         f"{ids.min().item()} … {ids.max().item()}; the vocabulary-parallel "
-                         "layers take no ignored or padding ids")
+class _Pipeline(nn.Module):
+    """This rank's stage of the PP layout, a whole step at a time: `forward((ids, target))`
+    runs chapter 10b's `pp.train_step` (every micro-batch's forward and backward in the
+    layout's schedule, activations and gradients sent with `isend`/`irecv`, the gradients
+    accumulated in `.grad`) and returns the step's loss (the last stage's; 0 on the
+    others) as a leaf whose backward does nothing: every backward has run. So shaped, the
+    ledger's `measure_step(pipeline, optimizer, ((ids, target), None))` counts the step:
+    the saved tensors through its own hooks (`count_saved=False`), the gradients after the
+    "forward". The last step's `pp.StepRecord` is kept as `record`."""
 
-
-class _Send(torch.autograd.Function):
-    """Forward: send the activation to the next stage; backward: receive its gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, peer: int) -> torch.Tensor:
-        dist.send(x.detach().contiguous(), peer)
-        ctx.peer, ctx.shape = peer, x.shape
-        return x.new_zeros(())  # a scalar the stage's "loss" adds up: nothing saved
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        g = torch.empty(ctx.shape)
-        dist.recv(g, ctx.peer)
-        return g, None
-
-
-class _Recv(torch.autograd.Function):
-    """Forward: receive the previous stage's activation; backward: send its gradient."""
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, shape: tuple, peer: int) -> torch.Tensor:
-        x = torch.empty(shape)
-        dist.recv(x, peer)
-        ctx.peer = peer
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        dist.send(grad.contiguous(), ctx.peer)
-        return None, None, None
-
-
-class _Stage(nn.Module):
-    """One pipeline stage run with GPipe's schedule, shaped for the ledger's
-    `measure_step(stage, optimizer, micro_batches)`: the forward of every micro-batch, the
-    activations sent on (or received), and a loss whose backward runs every micro-batch's
-    backward. The autograd engine runs the latest micro-batch's backward first on every
-    stage, so sends and receives pair up in the same order on both sides."""
-
-    def __init__(self, layers: nn.Sequential, index: int, stages: int, shape: tuple) -> None:
+    def __init__(self, stage: nn.Sequential, schedule: str, micro_batches: int,
+                 shape: tuple[int, ...]) -> None:
         super().__init__()
-        self.layers, self.index, self.stages, self.shape = layers, index, stages, shape
-        self.anchor = torch.zeros((), requires_grad=True)
+        self.stage, self.schedule, self.micro_batches, self.shape = (stage, schedule,
+                                                                    micro_batches, shape)
+        self.record: pp.StepRecord | None = None
 
-    def forward(self, micro_batches: list) -> torch.Tensor:
-        outputs = []
-        for ids, target in micro_batches:
-            x = ids if self.index == 0 else _Recv.apply(self.anchor, self.shape, self.index - 1)
-            x = self.layers(x)
-            if self.index == self.stages - 1:
-                outputs.append(loss_fn(x, target) / len(micro_batches))
-            else:
-                outputs.append(_Send.apply(x, self.index + 1))
-        return torch.stack(outputs).sum()
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        ids, target = batch
+        self.record = pp.train_step(self.stage, schedule=self.schedule,
+                                    micro_batches=self.micro_batches, inputs=ids,
+                                    targets=target, loss_fn=loss_fn, shape=self.shape,
+                                    count_saved=False)
+        loss = self.record.loss
+        return torch.tensor(0.0 if loss is None else loss, requires_grad=True)
 
 
-def _stage_layers(model: nn.Sequential, shape: Transformer, index: int, stages: int):
-    per = -(-shape.layers // stages)  # ceil: as the planner splits
-    first, last = index * per, min((index + 1) * per, shape.layers)
-    names = ([f"layer{i}" for i in range(first, last)] + (["norm", "head"] if
-             index == stages - 1 else []))
-    return nn.Sequential(OrderedDict(([("embed", model.embed)] if index == 0 else [])
-                                     + [(n, model.get_submodule(n)) for n in names]))
+def _stages(model: nn.Sequential, shape: Transformer, stages: int) -> list[nn.Sequential]:
+    """`model` cut by `pp.split` into the planner's stages of whole layers, not balanced
+    (`ddplab.planning.predict.stages`): the first stages take the remainder, the embedding
+    goes on the first stage, the final norm and the logit layer on the last."""
+    counts = split_layers(shape.layers, stages, 1.0, 1.0, balanced=False)
+    sizes = [n + (s == 0) + 2 * (s == stages - 1) for s, n in enumerate(counts)]
+    return pp.split(model, stages, sizes)
 
 
 def _layout(shape: Transformer, layout: Layout, batch_size: int, rounds: int, lr: float):
@@ -355,10 +268,14 @@ def _layout(shape: Transformer, layout: Layout, batch_size: int, rounds: int, lr
         micro = layout.micro_batch
         if batch_size % micro:
             raise ValueError(f"batch {batch_size} not divisible by micro-batch {micro}")
-        model = _Stage(_stage_layers(model, shape, rank, world), rank, world,
-                       (micro, shape.seq, shape.hidden))
-        data = [([batch(shape, micro, step, i) for i in range(batch_size // micro)], None)
-                for step in range(rounds + 1)]
+        if layout.balanced or layout.interleave > 1 or layout.pp > shape.layers:
+            raise ValueError(f"{layout.describe(1)}: the CPU runs put whole layers on each "
+                             f"stage ({shape.layers} layers: at most {shape.layers} stages), "
+                             "the logit layer on the last, one stage a rank: pass "
+                             "Layout(balanced=False, interleave=1)")
+        model = _Pipeline(_stages(model, shape, world)[rank], layout.schedule,
+                          batch_size // micro, (micro, shape.seq, shape.hidden))
+        data = [(batch(shape, batch_size, step, 0), None) for step in range(rounds + 1)]
     else:
         if batch_size % world:
             raise ValueError(f"batch {batch_size} not divisible by {world} ranks")
@@ -379,8 +296,8 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def _loss(layout: Layout):
-    """The step's loss from the model's output: PP's stages return it; TP's logits are
-    split by class."""
+    """The step's loss from the model's output: PP's `_Pipeline` returns it, its backward
+    already run; TP's logits are split by class."""
     if layout.pp > 1:
         return lambda loss, _: loss
     return vocab_parallel_loss if layout.tp > 1 else loss_fn

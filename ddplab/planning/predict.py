@@ -7,11 +7,14 @@ import math
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 
 from ddplab.costmodel import Model as Link
 from ddplab.costmodel import bytes_text
+from ddplab.planning.frameworks import FRAMEWORKS, Framework
 from ddplab.planning.shapes import (
-    RECOMPUTE,
+    GRAD_DTYPES,
+    KERNELS,
     RESERVED,
     Cluster,
     GiB,
@@ -156,8 +159,9 @@ def stages(layers: int, pp: int, layer: float, logit: float, balanced: bool = Tr
 
 
 def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
-         batch: int) -> Plan:
-    """Predict `layout` for `model` on `gpus` GPUs of `cluster`, `batch` sequences a step.
+         batch: int, framework: Framework | None = None) -> Plan:
+    """Predict `layout` for `model` on `gpus` GPUs of `cluster`, `batch` sequences a step;
+    with a `framework`, also whether that software can run it.
 
     Returns a `Plan`; one that cannot run has `reasons`, and if only memory fails, the
     times it would take too (a published run may fit by tricks the formula leaves out).
@@ -168,6 +172,8 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     lay, m, c = layout, model, cluster
     out = Plan(m, c, gpus, lay, batch)
     why = out.reasons
+    if framework is not None:
+        why += framework.refuses(lay)
     group = lay.tp * lay.pp * lay.cp
     if gpus % group:
         why.append(f"TP {lay.tp} × PP {lay.pp} × CP {lay.cp} = {group} does not divide "
@@ -183,6 +189,8 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
         why.append(f"FFN size {m.ffn} not divisible by TP {lay.tp}")
     if lay.pp > m.layers or lay.interleave > math.ceil(m.layers / lay.pp):
         why.append(f"PP {lay.pp} × {lay.interleave} virtual stages exceeds {m.layers} layers")
+    if lay.interleave > 1 and lay.pp == 1:
+        why.append(f"{lay.interleave} virtual stages need a pipeline (PP > 1)")
     if lay.interleave > 1 and lay.schedule != "1f1b":
         why.append("interleaved stages need the 1f1b schedule")
     if lay.cp > 1 and m.seq % (2 * lay.cp):
@@ -200,6 +208,12 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     hw = m.flops_per_token(lay.recompute)
     logit = 6 * m.hidden * m.vocab  # the logit layer's FLOPs a token, on the last stage
     per_layer = (hw - logit) / m.layers
+    # What a layer costs per micro-batch whatever its width (kernel launches, the tails of
+    # small kernels; `Cluster.overhead`, fitted per GPU type: it makes the efficiency grow
+    # with the matmuls' size, as measured), as FLOPs a token of a TP and CP rank's share,
+    # so that stages balance on time. Full recomputation runs the forward again.
+    per_layer += (c.overhead * rate * lay.tp * lay.cp / (lay.micro_batch * m.seq)
+                  * (4 / 3 if lay.recompute == "full" else 1))
     counts = out.stages = stages(m.layers, lay.pp, per_layer, logit, lay.balanced)
     per_stage = max(counts)
 
@@ -210,8 +224,12 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     layer_params = m.layer_matmul_params + 2 * m.hidden
     shard = dp * lay.cp
     word, state = (4, 8) if lay.fp32 else (2, 12)  # bytes a parameter: weight, optimizer
+    # Gradients are held in the dtype they accumulate in (each bf16 one freed once added).
+    grad_word = word if lay.fp32 else GRAD_DTYPES[lay.grad_dtype]
+    # FSDP2's mixed precision: the sharded parameter is the fp32 master, no bf16 copy.
+    shards = lay.fp32_shards and lay.zero == 3 and not lay.fp32
     act = m.activation_bytes(lay.micro_batch, lay.tp, lay.cp, lay.recompute, lay.sp)
-    act *= word / 2  # one layer, one micro-batch
+    act *= word / 2 * (KERNELS[lay.kernels] if lay.recompute != "full" else 1)
     last = m.last_stage_bytes(lay.micro_batch, lay.tp, lay.cp, lay.sp, word)
     fullest, psi = None, 0.0
     for i, n in enumerate(counts):
@@ -220,10 +238,14 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
         flight = mbs if lay.schedule == "gpipe" else min(mbs, lay.pp - i)
         if lay.interleave > 1 and i == 0:  # Korthikanti et al. 2022, section 4.2.3
             flight *= 1 + (lay.pp - 1) / (lay.pp * lay.interleave)
+        if shards:  # fp32 shards, and the bf16 weights whole only if kept
+            weights = 4 * params / shard + (word * params if lay.keep_weights else 0)
+        else:
+            weights = word * params / (shard if lay.sharded_weights else 1)
         held = {
-            "parameters": word * params / (shard if lay.zero >= 3 else 1),
-            "gradients": word * params / (shard if lay.zero >= 2 else 1),
-            "optimizer": state * params / (shard if lay.zero >= 1 else 1),
+            "parameters": weights,
+            "gradients": grad_word * params / (shard if lay.sharded_grads else 1),
+            "optimizer": (state - 4 * shards) * params / (shard if lay.zero >= 1 else 1),
             "activations": n * act * flight + (
                 last * (mbs if lay.schedule == "gpipe" else 1) if i == lay.pp - 1 else 0),
             RESERVED: c.reserved,
@@ -236,9 +258,9 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
 
     # Compute: the step's hardware FLOPs at the pace of the slowest stage.
     slowest = max(n * per_layer + (logit if i == lay.pp - 1 else 0)
-                  for i, n in enumerate(counts)) * lay.pp / hw
+                  for i, n in enumerate(counts))
     tokens = batch * m.seq
-    compute = tokens * hw / gpus * slowest / rate
+    compute = tokens * lay.pp * slowest / (gpus * rate)
     # What is not a matmul (norms, residuals, activation functions, softmax) on the slowest
     # stage's tokens: memory-bound work on the tensors a layer makes, so a TP rank's share
     # is its share of what the layer saves (Korthikanti et al.'s Table 2): 1/TP with
@@ -265,17 +287,27 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     attention = 12 * mb_tokens * m.seq * m.hidden / lay.tp / rate  # QKᵀ and ·V, 3 passes
     cp = per_stage * mbs * max(cp_ring - attention, 0.0)
     pp = 2 * mbs * lay.interleave * link(group).message(act_msg / lay.tp) if lay.pp > 1 else 0
-    dp_link, grads = link(gpus), word * psi
+    # DP, on each GPU's network card: gradients reduced in their accumulation dtype, once a
+    # step or, sharded, after every micro-batch; the bf16 weights all-gathered after the
+    # optimizer (ZeRO-1 and 2, ZeRO-3 kept) or for every micro-batch's forward and backward
+    # (ZeRO-3). What runs every micro-batch shares that micro-batch's compute as its one
+    # window (one card carries it all); the step's one reduce-scatter overlaps the last
+    # backward, its one all-gather the first forward.
+    dp_link = link(gpus)
+    grads = grad_word * psi
     if lay.zero == 0:
         dp_time = _overlapped(dp_link.predict("ring", shard, grads) if shard > 1 else 0.0,
                               per_mb * 2 / 3, per_stage)
     else:
-        moved = _half_ring(dp_link, shard, grads)  # reduce-scatter; all-gather the same
-        dp_time = _overlapped(moved, per_mb * 2 / 3, per_stage)
-        if lay.zero == 3:  # gather the parameters again for each forward and backward
-            dp_time += mbs * _overlapped(2 * moved, per_mb, per_stage)
-        else:
-            dp_time += _overlapped(moved, per_mb / 3, per_stage)
+        scatter = _half_ring(dp_link, shard, grads)
+        gather = _half_ring(dp_link, shard, word * psi)
+        every = (scatter if lay.sharded_grads else 0) + (2 * gather if lay.sharded_weights
+                                                         else 0)
+        dp_time = mbs * _overlapped(every, per_mb, per_stage)
+        if not lay.sharded_grads:
+            dp_time += _overlapped(scatter, per_mb * 2 / 3, per_stage)
+        if not lay.sharded_weights:
+            dp_time += _overlapped(gather, per_mb / 3, per_stage)
     out.exposed = {"TP": tp, "CP": cp, "PP": pp, "DP": dp_time}
     bubble = (lay.pp - 1) / (lay.interleave * mbs) * (compute + tp + cp)
     out.time = {"compute": compute, "communication": sum(out.exposed.values()),
@@ -287,24 +319,52 @@ def _powers(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if (1 << k) <= limit]
 
 
-def layouts(model: Transformer, cluster: Cluster, gpus: int,
-            fp32: bool = False) -> list[Layout]:
-    """The layouts `search` tries: powers of two for TP (within a node), PP, CP (down to
-    4,096-token chunks), micro-batch (up to 8) and interleaving (up to 4), every ZeRO stage
-    and recomputation, 1F1B (GPipe holds more activations for the same bubble)."""
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+MICRO_BATCHES = (1, 2, 4, 8)
+"""Sequences a micro-batch, as `search` tries them."""
+
+
+def layouts(model: Transformer, cluster: Cluster, gpus: int, fp32: bool = False,
+            framework: Framework | str = "any") -> list[Layout]:
+    """The layouts `search` tries, each an option `framework` offers: powers of two for TP
+    (within a node) and CP (down to 4,096-token chunks); every PP that divides what TP × CP
+    leave, up to a stage a layer (a pipeline of 12 or 35 stages included); every number of
+    virtual stages that splits a stage's layers evenly; micro-batches of 1 to 8 sequences;
+    every ZeRO stage, recomputation, TP with and without sequence parallelism, and ZeRO-2
+    and 3's ways of accumulating. 1F1B only: GPipe holds more activations for the same
+    bubble."""
+    fw = resolve(framework, FRAMEWORKS, "framework") if isinstance(framework, str) else framework
     found = []
     for tp in _powers(min(cluster.gpus_per_node, gpus)):
-        for pp in _powers(min(gpus // tp, model.layers)):
-            for cp in _powers(max(model.seq // 4096, 1)):
-                if gpus % (tp * pp * cp):
-                    continue
-                for zero in range(4):
-                    for recompute in RECOMPUTE:
-                        for micro in (1, 2, 4, 8):
-                            for v in _powers(min(4, -(-model.layers // pp)) if pp > 1 else 1):
-                                found.append(Layout(tp, pp, cp, zero, micro, v, "1f1b",
-                                                    recompute, fp32))
-    return found
+        for cp in _powers(max(model.seq // 4096, 1)) if fw.cp else [1]:
+            if gpus % (tp * cp):
+                continue
+            for pp in _divisors(gpus // (tp * cp), model.layers):
+                virtual = _divisors(model.layers // pp, model.layers) if fw.interleave \
+                    and pp > 1 else [1]
+                for zero in fw.zero:
+                    for sync, keep in _accumulations(fw, zero, pp):
+                        for sp in fw.sp if tp > 1 else fw.sp[:1]:
+                            for recompute in fw.recompute:
+                                for micro in MICRO_BATCHES:
+                                    for v in virtual:
+                                        found.append(fw.adopt(Layout(
+                                            tp, pp, cp, zero, micro, v, "1f1b", recompute,
+                                            fp32, sp, grad_sync=sync, keep_weights=keep)))
+    return [lay for lay in found if not fw.refuses(lay)]
+
+
+def _accumulations(fw: Framework, zero: int, pp: int) -> list[tuple[str, bool]]:
+    """ZeRO-2 and 3's ways of accumulating gradients (and ZeRO-3's of keeping weights)
+    that `fw` offers; one for the stages where it is no choice."""
+    if zero < 2:
+        return [("micro-batch", False)]
+    keeps = fw.keep_weights if zero == 3 else (False,)
+    return [(sync, keep) for sync in fw.grad_sync for keep in keeps
+            if not (fw.pp_whole and pp > 1 and sync != "step")]
 
 
 NEAR = 0.02
@@ -330,21 +390,28 @@ class Search:
         if not self.plans:
             return f"no feasible layout among {self.tried}: " + _rejected(self.rejected)
         best, pick = self.plans[0], self.recommended
-        rows = [(i + 1, p.dp, p.layout.tp, p.layout.pp, p.layout.interleave, p.layout.cp,
-                 p.layout.zero, p.layout.recompute, p.layout.micro_batch, p.micro_batches,
-                 bytes_text(p.memory_total), _seconds(p.step), f"{p.tokens_per_s:,.0f}",
-                 f"{p.mfu:.1%}") for i, p in enumerate(self.plans[:top])]
+        shown = self.plans[:top]
+        rows = [(i + 1, p.dp, p.layout.tp, "yes" if p.layout.sp else "no", p.layout.pp,
+                 p.layout.interleave, p.layout.cp, _zero(p.layout), p.layout.recompute,
+                 p.layout.micro_batch, p.micro_batches, bytes_text(p.memory_total),
+                 _seconds(p.step), f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}")
+                for i, p in enumerate(shown)]
         head = (f"{best.model.name} on {best.gpus} × {best.cluster.name}, batch "
-                f"{best.batch} × {best.model.seq} tokens: {len(self.plans)} of "
-                f"{self.tried} layouts fit; rejected: {_rejected(self.rejected)}")
-        table = format_table(rows, header=["#", "DP", "TP", "PP", "v", "CP", "ZeRO",
+                f"{best.batch} × {best.model.seq} tokens: {self.tried:,} layouts tried, "
+                f"{len(self.plans):,} listed; not listed: {_rejected(self.rejected)}")
+        table = format_table(rows, header=["#", "DP", "TP", "SP", "PP", "v", "CP", "ZeRO",
                                            "recompute", "mb", "m", "memory", "step",
                                            "tokens/s", "MFU"], rule=True,
-                             align="<>>>>>><>>>>>>")
+                             align="<>>>>>><<>>>>>>")
+        trades = [f"#{i + 1} against #{i + 2}: {_trade(a, b)}"
+                  for i, (a, b) in enumerate(pairwise(shown))]
         why = (f"recommended (within {NEAR:.0%} of the fastest, the most memory to spare: "
                f"#{self.plans.index(pick) + 1}):")
-        legend = "v: virtual stages a GPU; mb: sequences a micro-batch; m: micro-batches"
-        return f"{head}\n{table}\n{legend}\n\n{why}\n{pick.table()}"
+        legend = ("SP: sequence parallelism; v: virtual stages a GPU; ZeRO: the stage, and "
+                  "for 2 and 3 mb (gradients reduce-scattered every micro-batch) or step "
+                  "(unsharded until the last), +keep (ZeRO-3's weights gathered once a "
+                  "step); mb: sequences a micro-batch; m: micro-batches")
+        return "\n".join([head, table, legend, "", *trades, "", why, pick.table()])
 
     def as_dict(self, top: int = 5) -> dict:
         pick = self.plans.index(self.recommended) if self.plans else None
@@ -353,25 +420,73 @@ class Search:
                 "plans": [p.as_dict() for p in self.plans[:max(top, (pick or 0) + 1)]]}
 
 
+def _zero(lay: Layout) -> str:
+    """The ZeRO column: the stage, and how 2 and 3 accumulate."""
+    if lay.zero < 2:
+        return str(lay.zero)
+    return f"{lay.zero} {'mb' if lay.grad_sync == 'micro-batch' else 'step'}" + \
+        (" +keep" if lay.zero == 3 and lay.keep_weights else "")
+
+
+TRADED = {"tp": "TP", "sp": "SP", "pp": "PP", "interleave": "v", "cp": "CP", "zero": "ZeRO",
+          "grad_sync": "gradient sync", "keep_weights": "weights kept",
+          "recompute": "recompute", "micro_batch": "micro-batch"}
+
+
+def _trade(a: Plan, b: Plan) -> str:
+    """What the faster plan `a` trades against the next, `b`: speed, memory, and the
+    layout fields that differ."""
+    fields = [f"{name} {getattr(a.layout, key)} → {getattr(b.layout, key)}"
+              for key, name in TRADED.items() if getattr(a.layout, key) != getattr(b.layout, key)]
+    if a.dp != b.dp:
+        fields.insert(0, f"DP {a.dp} → {b.dp}")
+    speed = a.tokens_per_s / b.tokens_per_s - 1
+    memory = a.memory_total - b.memory_total
+    return (f"{speed:.2%} faster, {bytes_text(abs(memory))} "
+            f"{'more' if memory >= 0 else 'less'} memory ({', '.join(fields)})")
+
+
 def _rejected(counts: Counter) -> str:
-    return ", ".join(f"{n} {why}" for why, n in counts.most_common()) or "none"
+    return ", ".join(f"{n:,} {why}" for why, n in counts.most_common()) or "none"
 
 
 def search(model: Transformer, cluster: Cluster, gpus: int, batch: int,
-           candidates: list[Layout] | None = None, fp32: bool = False) -> Search:
-    """Every layout of `layouts` (or `candidates`) planned; the feasible ones ranked by
-    tokens/s, then by memory (of two equally fast, the one with more headroom first)."""
-    tried = candidates if candidates is not None else layouts(model, cluster, gpus, fp32)
+           candidates: list[Layout] | None = None, fp32: bool = False,
+           framework: Framework | str = "any") -> Search:
+    """Every layout of `layouts` (or `candidates`) that `framework` can run, planned; the
+    feasible ones ranked by tokens/s, then by memory (of two equally fast, the one with
+    more headroom first)."""
+    fw = resolve(framework, FRAMEWORKS, "framework") if isinstance(framework, str) else framework
+    tried = candidates if candidates is not None else layouts(model, cluster, gpus, fp32, fw)
     feasible, rejected = [], Counter()
     for layout in tried:
-        p = plan(model, cluster, gpus, layout, batch)
+        p = plan(model, cluster, gpus, layout, batch, fw)
         if p.feasible:
             feasible.append(p)
         for reason in p.reasons[:1]:  # counted by kind: the reason with its numbers as N
             kind = re.sub(r"\d[\d.]*", "N", reason)
             rejected["out of memory" if kind.startswith("needs") else kind] += 1
-    feasible.sort(key=lambda p: (-p.tokens_per_s, p.memory_total))
-    return Search(feasible, len(tried), rejected)
+    # Of plans that hold the same bytes and take the same time (ZeRO-2 accumulating
+    # unsharded is ZeRO-1, for one), the simplest: the lowest ZeRO stage, no options.
+    feasible.sort(key=lambda p: (-p.tokens_per_s, p.memory_total, p.layout.zero,
+                                 p.layout.grad_sync != "micro-batch", p.layout.keep_weights))
+    # And of one layout's interleavings, the fastest: v is a setting to tune once the
+    # layout is chosen, and a list of the same layout at v = 2, 4, 5, 8 ... teaches nothing.
+    kept, seen, families = [], set(), set()
+    for p in feasible:
+        lay = p.layout
+        family = (p.dp, lay.tp, lay.pp, lay.cp, lay.micro_batch, lay.recompute, lay.sp)
+        twin = (*family, lay.interleave, round(p.step, 9), round(p.memory_total))
+        zero = (lay.zero, lay.grad_sync, lay.keep_weights)
+        if twin in seen:
+            rejected["the same plan as a lower ZeRO stage"] += 1
+        elif (*family, *zero) in families:
+            rejected["a slower interleaving of a listed layout"] += 1
+        else:
+            families.add((*family, *zero))
+            kept.append(p)
+        seen.add(twin)
+    return Search(kept, len(tried), rejected)
 
 
 def with_efficiency(cluster: Cluster, efficiency: float) -> Cluster:

@@ -25,11 +25,12 @@ benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass, replace
 
+from ddplab.planning.frameworks import FRAMEWORKS
 from ddplab.planning.predict import Plan, plan, with_efficiency
 from ddplab.planning.shapes import GPUS, MODELS, Layout, Transformer
+from ddplab.planning.steps import fit
 from ddplab.tables import format_table
 
 TOLERANCE = 0.15
@@ -52,11 +53,17 @@ class Published:
     batch: int
     tflops: float
     hardware: bool
+    framework: str = "any"
 
-    def predict(self, efficiency: float | None = None) -> Plan:
-        cluster = GPUS[self.gpu] if efficiency is None else with_efficiency(GPUS[self.gpu],
-                                                                            efficiency)
-        return plan(self.model, cluster, self.gpus, self.layout, self.batch)
+    def predict(self, efficiency: float | None = None, overhead: float | None = None) -> Plan:
+        """The planner's prediction with the preset's efficiency and overhead, or others."""
+        cluster = GPUS[self.gpu]
+        if efficiency is not None:
+            cluster = with_efficiency(cluster, efficiency)
+        if overhead is not None:
+            cluster = replace(cluster, overhead=overhead)
+        return plan(self.model, cluster, self.gpus, self.layout, self.batch,
+                    FRAMEWORKS[self.framework])
 
     def predicted_tflops(self, p: Plan) -> float:
         return p.tflops_per_gpu if self.hardware else p.mfu * p.cluster.flops / 1e12
@@ -71,13 +78,24 @@ def _llama(gpus: int, cp: int, dp: int, per_dp: int, seq: int, tflops: float,
                      layout, dp * per_dp, tflops, hardware=False)
 
 
+def _even_interleave(layers: int, pp: int) -> int:
+    """The fewest virtual stages above one that split a stage's layers evenly (Megatron-LM
+    requires layers ÷ (PP × v) whole), or 1 without a pipeline."""
+    if pp == 1:
+        return 1
+    per = layers // pp
+    return next(v for v in range(2, per + 1) if per % v == 0) if per > 1 else 1
+
+
 def _gpt(billions: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int,
          batch: int, tflops: float) -> Published:
     model = Transformer(f"GPT {billions}B", layers, hidden, heads, heads, 4 * hidden, 51200,
                         2048, gated=False, tied=True, positions=True, dropout=True)
-    layout = Layout(tp=tp, pp=pp, micro_batch=1, recompute="full")
+    layout = FRAMEWORKS["megatron-2021"].adopt(Layout(
+        tp=tp, pp=pp, micro_batch=1, interleave=_even_interleave(layers, pp),
+        recompute="full", sp=False))
     return Published(f"Megatron-LM, Table 1: {billions}B", model, "a100-80gb", gpus, layout,
-                     batch, tflops, hardware=True)
+                     batch, tflops, hardware=True, framework="megatron-2021")
 
 
 LLAMA3 = [
@@ -121,39 +139,96 @@ HEADER = ["run", "layout", "published", "predicted", "ratio", "±15 %",
           "compute / comm / bubble (s)", "GiB"]
 
 
-def fitted_efficiency(runs: list[Published]) -> float:
-    """The efficiency that makes the geometric mean of predicted ÷ published 1 over
-    `runs` (all of one GPU type): how `ddplab.planner.GPUS`' efficiencies were set, once
-    per GPU type. Throughput is proportional to it wherever compute dominates, so the
-    fit is one scaling of the ratios at the efficiency the presets hold."""
-    logs = []
-    for run in runs:
-        p = run.predict()
-        logs.append(math.log(run.predicted_tflops(p) / run.tflops))
-    return GPUS[runs[0].gpu].efficiency * math.exp(-sum(logs) / len(logs))
+def fitted(runs: list[Published]) -> tuple[float, float]:
+    """The (efficiency, overhead) that predict `runs` (all of one GPU type) best:
+    `ddplab.planning.steps.fit` on their steps, predicted ÷ published (the published step is
+    the FLOPs a GPU does ÷ the TFLOP/s it reports). How the A100 presets were set, on
+    Megatron-LM's runs; the H100's and H200's come from the H200's own steps instead, so
+    that Llama 3's runs are a prediction."""
+
+    def ratios(efficiency: float, overhead: float) -> list[float]:
+        return [run.tflops / run.predicted_tflops(run.predict(efficiency, overhead))
+                for run in runs]
+
+    return fit(ratios)
 
 
 def held_out(runs: list[Published] = PUBLISHED) -> list[tuple[Published, float, float]]:
-    """Each run predicted with an efficiency it did not help to set: fitted on the OTHER
-    runs of its GPU type (leave one out). (run, that efficiency, predicted TFLOP/s): the
-    honest check, since the presets' efficiencies were fitted on all the rows."""
+    """Each run predicted with figures it did not help to set: Llama 3's with the H200's
+    own steps' (the presets: no Llama 3 row was used), each Megatron-LM run with the
+    efficiency and overhead fitted on the OTHER runs (leave one out). (run, efficiency,
+    predicted TFLOP/s): the honest check."""
     out = []
     for run in runs:
+        if run.gpu != "a100-80gb":
+            p = run.predict()
+            out.append((run, p.cluster.efficiency, run.predicted_tflops(p)))
+            continue
         others = [r for r in runs if r.gpu == run.gpu and r is not run]
-        efficiency = fitted_efficiency(others)
-        out.append((run, efficiency, run.predicted_tflops(run.predict(efficiency))))
+        efficiency, overhead = fitted(others)
+        out.append((run, efficiency,
+                    run.predicted_tflops(run.predict(efficiency, overhead))))
     return out
 
 
 def crossed() -> list[tuple[Published, float, float]]:
-    """Each paper's runs predicted with the efficiency fitted on the OTHER paper's (Llama 3's
-    H100 runs with Megatron-LM's A100 efficiency, and back): other GPUs, other software,
-    the strictest hold-out the two sources allow."""
+    """Megatron-LM's A100 runs predicted with the H200's efficiency and overhead (other
+    GPUs, other software, five years apart), and Llama 3's H100 runs with those fitted on
+    Megatron-LM's: the strictest hold-out the sources allow."""
+    from ddplab.planning import steps
+
+    h200 = steps.fitted()
+    a100 = fitted(MEGATRON)
     out = []
-    for runs, other in ((LLAMA3, MEGATRON), (MEGATRON, LLAMA3)):
-        efficiency = fitted_efficiency(other)
-        out += [(run, efficiency, run.predicted_tflops(run.predict(efficiency)))
+    for runs, (efficiency, overhead) in ((LLAMA3, a100), (MEGATRON, h200)):
+        out += [(run, efficiency, run.predicted_tflops(run.predict(efficiency, overhead)))
                 for run in runs]
+    return out
+
+
+def h200_table() -> str:
+    """The H200's measured steps beside the planner's (its H200 preset): step time and
+    bytes saved per layer, predicted ÷ measured, and the MFU each step reached."""
+    from ddplab.planning import steps
+
+    rows = []
+    for s in steps.STEPS:
+        p = s.predict(GPUS["h200"])
+        rows.append((s.model.name, s.model.layers, s.mode, f"{s.seconds * 1e3:.1f}",
+                     f"{p.step * 1e3:.1f}", f"{p.step / s.seconds:.2f}",
+                     f"{s.saved_per_layer / 2**20:,.0f}", f"{s.saved_predicted() / 2**20:,.0f}",
+                     f"{s.saved_predicted() / s.saved_per_layer:.2f}",
+                     f"{p.mfu * p.step / s.seconds:.0%}"))
+    return ("One H200, one process (the steps the H100 and H200 presets were fitted on: "
+            "eager; the others predicted):\n" + format_table(
+                rows, header=["shape", "layers", "mode", "step ms", "predicted", "ratio",
+                              "saved MiB/layer", "predicted", "ratio", "MFU measured"],
+                rule=True, align="<><>>>>>>>"))
+
+
+def search_ranks(runs: list[Published] = PUBLISHED) -> list[tuple]:
+    """Each run's published layout (TP × PP × CP) among `search`'s, restricted to the run's
+    framework: (source, framework, its rank, how many were listed, the first's layout,
+    what the first changes, how much faster the planner thinks it is)."""
+    from ddplab.planning.predict import TRADED, search
+
+    out = []
+    for run in runs:
+        found = search(run.model, GPUS[run.gpu], run.gpus, run.batch,
+                       framework=FRAMEWORKS[run.framework])
+        mine = run.predict()
+
+        def key(p: Plan) -> tuple[int, int, int]:
+            return p.layout.tp, p.layout.pp, p.layout.cp
+
+        rank = next((i + 1 for i, p in enumerate(found.plans) if key(p) == key(mine)), None)
+        first = found.plans[0]
+        changes = [f"{name} {getattr(run.layout, k)} → {getattr(first.layout, k)}"
+                   for k, name in TRADED.items()
+                   if getattr(run.layout, k) != getattr(first.layout, k)]
+        out.append((run.source, FRAMEWORKS[run.framework].name, rank, len(found.plans),
+                    first.layout.describe(first.dp), ", ".join(changes) or "none",
+                    first.tokens_per_s / mine.tokens_per_s))
     return out
 
 
@@ -169,18 +244,30 @@ def main() -> None:
             print("| " + " | ".join(map(str, row)) + " |")
     else:
         print(format_table(table, header=HEADER, rule=True, align="<<>>>>>>"))
-    print(f"efficiency fitted on Llama 3 (H100): {fitted_efficiency(LLAMA3):.3f}; "
-          f"on Megatron-LM (A100): {fitted_efficiency(MEGATRON):.3f}")
-    print("held out (efficiency fitted on the other rows of the same GPU):")
+    from ddplab.planning import steps
+
+    for name, (efficiency, overhead) in (("the H200's eager steps", steps.fitted()),
+                                         ("Megatron-LM's A100 runs", fitted(MEGATRON))):
+        print(f"fitted on {name}: efficiency {efficiency:.3f}, overhead "
+              f"{overhead * 1e3:.2f} ms a layer and micro-batch")
+    print("held out (Llama 3: the H200's figures; Megatron-LM: fitted on its other rows):")
     for run, efficiency, got in held_out():
         ratio = got / run.tflops
         print(f"  {run.source}: efficiency {efficiency:.3f}, {got:.0f} TFLOP/s, ratio "
               f"{ratio:.2f} {'✓' if abs(ratio - 1) <= TOLERANCE else '✗'}")
-    print("crossed (efficiency fitted on the other paper's runs):")
+    print("crossed (Llama 3 with Megatron-LM's figures, Megatron-LM with the H200's):")
     for run, efficiency, got in crossed():
         ratio = got / run.tflops
         print(f"  {run.source}: efficiency {efficiency:.3f}, {got:.0f} TFLOP/s, ratio "
               f"{ratio:.2f} {'✓' if abs(ratio - 1) <= TOLERANCE else '✗'}")
+    print()
+    print(h200_table())
+    print("\nsearch, restricted to each run's framework: where the published TP × PP × CP "
+          "ranks, and what the first changes")
+    print(format_table([(src, fw, rank, listed, changes, f"{faster:.2f}")
+                        for src, fw, rank, listed, _, changes, faster in search_ranks()],
+                       header=["run", "framework", "rank", "of", "the first changes",
+                               "faster by"], rule=True, align="<<>><>"))
     for v in (1, 2, 8):
         for run in LLAMA3:
             alt = replace(run, layout=replace(run.layout, interleave=v))

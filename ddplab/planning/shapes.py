@@ -17,6 +17,16 @@ RESERVED = "reserved"
 """The line beside them: what a GPU holds whatever the layout (see `Cluster.reserved`)."""
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")
+GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""The dtypes gradients may accumulate in under mixed precision, and their bytes."""
+GRAD_SYNC = ("micro-batch", "step")
+KERNELS = {"fused": 1.0, "compiled": 1.06, "eager": 1.27}
+"""Bytes a layer saves for backward, as a multiple of the activation formula's, by how its
+kernels are built (recomputation "none" or "selective"; full recomputation saves the
+layer's input only, 1.00 measured): "fused", Megatron-LM's fused kernels, which the formula
+models; "eager", PyTorch op by op (each RMSNorm, rotary embedding and SwiGLU op saves its
+own inputs): 1.26-1.27 measured on an H200 at hidden 2048, 4096 and 8192; "compiled",
+each block `torch.compile`d: 1.06 (`../datasets/h200-steps`, benchmarks/RESULTS.md)."""
 GiB = 1 << 30
 
 
@@ -126,7 +136,13 @@ class Cluster:
     a layer spends outside its matmuls per token and hidden unit, forward and backward
     (norms, residual adds, activation functions, softmax: memory-bound work that grows with
     the activations, not the FLOPs; 0 for the GPU presets, whose efficiency folds it in,
-    calibrated on one measured step for a machine: `calibrated(..., what="vector")`)."""
+    calibrated on one measured step for a machine: `calibrated(..., what="vector")`);
+    `overhead`: seconds a layer costs per micro-batch beyond its FLOPs at `efficiency`,
+    whatever its width (kernel launches, small kernels that do not fill the GPU): with it
+    the efficiency a layer reaches, FLOPs ÷ (FLOPs ÷ (peak × efficiency) + overhead), grows
+    with the matmuls' size, as measured on an H200 (47 % at hidden 2,048, 56 % at 8,192);
+    fitted with `efficiency` per GPU type (`ddplab.planning.steps`), 0 for a measured
+    cluster (its `vector` term takes that place)."""
 
     name: str
     flops: float
@@ -138,6 +154,7 @@ class Cluster:
     reserved: float = 0.0
     source: str = ""
     vector: float = 0.0
+    overhead: float = 0.0
 
     @classmethod
     def measured(cls, alpha: float, beta: float, flops: float, memory: float,
@@ -165,27 +182,28 @@ def _link(gb_per_s: float, latency_us: float) -> Link:
 
 # Latencies are not on datasheets: 5 µs over NVLink and 10 µs across nodes are the order
 # of nccl-tests' small-message times; the plans below barely depend on them, their
-# messages being megabytes. Efficiencies: one per GPU type, set once so that predicted ÷
-# published has a geometric mean of 1 over that GPU's published runs (0.589 from Llama 3's
-# H100 runs, 0.555 from Megatron-LM's A100 runs: benchmarks/planner_vs_published.py); the
-# H200 takes the H100's (the same compute), the A100 40GB the 80GB's. The checks then test
-# how throughput changes from layout to layout, not its level. Memory: "80 GB" on these
-# datasheets is what nvidia-smi shows as about 80 GiB (81,559 MiB on an H100), so GiB.
-# Reserved: the CUDA context (~0.5 GiB), NCCL's buffers and the caching allocator's
-# fragmentation, an estimate (a few GiB is what PyTorch users see as reserved-not-allocated).
-_A100 = dict(flops=312e12, intra=_link(300, 5), inter=_link(25, 10), efficiency=0.555,
-             reserved=4 * GiB)
+# messages being megabytes. Efficiency and overhead (see `Cluster`): one pair per GPU type.
+# The H100's and H200's (the same compute) fitted on the H200's own measured steps
+# (`ddplab.planning.steps`: 0.608, 0.78 ms a layer, eager PyTorch), so that Llama 3's H100
+# runs are a prediction; the A100's on Megatron-LM's ten A100 runs (0.604, 0.90 ms, fused
+# kernels: `ddplab.planning.published.fitted`); the A100 40GB takes the 80GB's. Memory:
+# "80 GB" on these datasheets is what nvidia-smi shows as about 80 GiB (81,559 MiB on an
+# H100), so GiB. Reserved: the CUDA context (~0.5 GiB), NCCL's buffers and the caching
+# allocator's fragmentation, an estimate (a few GiB is what PyTorch users see as
+# reserved-not-allocated).
+_A100 = dict(flops=312e12, intra=_link(300, 5), inter=_link(25, 10), efficiency=0.604,
+             overhead=0.90e-3, reserved=4 * GiB)
 GPUS: dict[str, Cluster] = {
     # NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: 989 TFLOPS dense BF16 (1,979
     # with sparsity), 80 GB HBM3, NVLink 900 GB/s (450 each way); DGX H100 datasheet: one
     # 400 Gb/s ConnectX-7 per GPU (50 GB/s).
     "h100": Cluster("H100 SXM 80GB", 989e12, 80 * GiB, _link(450, 5), _link(50, 10),
-                    efficiency=0.59, reserved=4 * GiB,
+                    efficiency=0.608, overhead=0.78e-3, reserved=4 * GiB,
                     source="NVIDIA H100 datasheet; DGX H100 datasheet"),
     # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: the H100's 989 TFLOPS dense BF16,
     # 141 GB HBM3e, NVLink 900 GB/s; DGX H200: 400 Gb/s per GPU.
     "h200": Cluster("H200 SXM 141GB", 989e12, 141 * GiB, _link(450, 5), _link(50, 10),
-                    efficiency=0.59, reserved=4 * GiB,
+                    efficiency=0.608, overhead=0.78e-3, reserved=4 * GiB,
                     source="NVIDIA H200 datasheet; DGX H200 datasheet"),
     # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM: 312 TFLOPS dense BF16, 80 GB
     # HBM2e or 40 GB HBM2, NVLink 600 GB/s (300 each way); DGX A100 datasheet: eight
@@ -225,7 +243,23 @@ class Layout:
     without (torch's plain column- and row-parallel layers: the kit's CPU runs);
     `balanced`: pipeline stages balanced so that the logit layer's work is spread over them
     (as Llama 3 does, fewer layers on the last stage), or whole equal stages with the logit
-    layer added to the last one (the kit's pipeline by hand)."""
+    layer added to the last one (the kit's pipeline by hand).
+
+    What gradient accumulation costs (mixed precision; `ddplab.planner`'s docstring):
+    `grad_dtype` the dtype gradients accumulate and are reduced in, "fp32" (Megatron-LM's
+    and picotron's `main_grad`, FSDP2 with `reduce_dtype=torch.float32`, DeepSpeed's BF16
+    optimizer: 4 bytes a parameter; each bf16 gradient is freed once added) or "bf16" /
+    "fp16" (2). `grad_sync` (ZeRO-2 and 3): "micro-batch" reduce-scatters after every
+    micro-batch's backward and keeps gradients sharded (FSDP2's default, DeepSpeed), "step"
+    accumulates them unsharded and reduce-scatters once, after the last (FSDP2 with
+    `set_requires_gradient_sync(False)`, torch's pipelining). `keep_weights` (ZeRO-3): the
+    gathered weights stay until the last micro-batch's backward (FSDP2 with
+    `reshard_after_forward=False` and `set_reshard_after_backward(False)`) instead of being
+    gathered again for every micro-batch's forward and backward. `fp32_shards` (ZeRO-3):
+    the sharded parameter is the fp32 master itself and no bf16 copy stays between uses
+    (FSDP2's mixed precision: 4 + 4 + 8 bytes a parameter, sharded), rather than bf16
+    weights beside fp32 master weights in the optimizer (2 + 12). `kernels`: "fused",
+    "compiled" or "eager" (`KERNELS`)."""
 
     tp: int = 1
     pp: int = 1
@@ -238,6 +272,11 @@ class Layout:
     fp32: bool = False
     sp: bool = True
     balanced: bool = True
+    grad_dtype: str = "fp32"
+    grad_sync: str = "micro-batch"
+    keep_weights: bool = False
+    fp32_shards: bool = False
+    kernels: str = "fused"
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "cp", "micro_batch", "interleave"):
@@ -247,13 +286,40 @@ class Layout:
             raise ValueError(f"ZeRO stage {self.zero}: choose 0, 1, 2 or 3")
         _choice(self.schedule, SCHEDULES, "schedule")
         _choice(self.recompute, RECOMPUTE, "recompute")
+        _choice(self.grad_dtype, tuple(GRAD_DTYPES), "grad_dtype")
+        _choice(self.grad_sync, GRAD_SYNC, "grad_sync")
+        _choice(self.kernels, tuple(KERNELS), "kernels")
+
+    @property
+    def sharded_grads(self) -> bool:
+        """Whether gradients are held sharded while micro-batches accumulate: ZeRO-2 and 3
+        reduce-scattering after each one. Otherwise every rank holds them whole until the
+        step's reduction."""
+        return self.zero >= 2 and self.grad_sync == "micro-batch"
+
+    @property
+    def sharded_weights(self) -> bool:
+        """Whether the bf16 weights are held sharded between uses (ZeRO-3, not kept)."""
+        return self.zero == 3 and not self.keep_weights
 
     def describe(self, dp: int) -> str:
         pipe = f", {self.schedule}" + (f" ×{self.interleave}" if self.interleave > 1 else "")
         return (f"DP {dp}, TP {self.tp}, PP {self.pp}{pipe if self.pp > 1 else ''}, "
                 f"CP {self.cp}, ZeRO-{self.zero}, micro-batch {self.micro_batch}, "
                 f"recompute {self.recompute}{', fp32' if self.fp32 else ''}"
-                f"{', no SP' if self.tp > 1 and not self.sp else ''}")
+                f"{', no SP' if self.tp > 1 and not self.sp else ''}{self._accumulation()}"
+                f"{'' if self.kernels == 'fused' else ', ' + self.kernels + ' kernels'}")
+
+    def _accumulation(self) -> str:
+        """How gradients accumulate, where it is a choice (mixed precision, ZeRO-2 or 3)."""
+        out = "" if self.fp32 or self.grad_dtype == "fp32" else f", {self.grad_dtype} gradients"
+        if self.zero >= 2:
+            out += (", reduce-scatter every micro-batch" if self.grad_sync == "micro-batch"
+                    else ", gradients unsharded until the last micro-batch")
+        if self.zero == 3:
+            out += ", weights kept" if self.keep_weights else ", weights gathered per micro-batch"
+            out += ", fp32 shards" if self.fp32_shards and not self.fp32 else ""
+        return out
 
 
 

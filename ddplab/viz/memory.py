@@ -105,7 +105,8 @@ def _legend(ax, categories: Sequence[str], width: float, extra: Sequence[Patch] 
 
 def show_memory(rows: Sequence[tuple[str, Sequence[Mapping[str, float]]]], *,
                 predicted: Sequence[Mapping[str, float] | None] | None = None,
-                unit: str = "MB", title: str | None = None) -> Figure:
+                unit: str = "MB", title: str | None = None,
+                predicted_by: str = "the Playbook's arithmetic") -> Figure:
     """Memory per rank: one stacked bar per rank, a group of bars per strategy.
 
     `rows` is a list of (label, per_rank): `per_rank[r]` is rank r's {part: bytes}, e.g.
@@ -114,8 +115,9 @@ def show_memory(rows: Sequence[tuple[str, Sequence[Mapping[str, float]]]], *,
     them, a part a dict leaves out counting 0. `predicted`, if given, holds one {part:
     bytes} per row (None for a row without one): what the Playbook's arithmetic says each
     rank of that row holds, drawn as a grey bar under the row's ranks with a dashed line up
-    from its end. Every bar has its total written after it, in `unit` (decimal: B, kB, MB,
-    GB; binary: KiB, MiB, GiB). All bars share one scale, so groups compare.
+    from its end, and named in the legend as `predicted_by` says (chapter 10d: the planner).
+    Every bar has its total written after it, in `unit` (decimal: B, kB, MB, GB; binary:
+    KiB, MiB, GiB). All bars share one scale, so groups compare.
 
     Example: `show_memory([("DDP", [ddp0, ddp1]), ("ZeRO-1", [z0, z1])],
     predicted=[playbook(psi, 0, 2).as_dict(), playbook(psi, 1, 2).as_dict()])`.
@@ -152,7 +154,7 @@ def show_memory(rows: Sequence[tuple[str, Sequence[Mapping[str, float]]]], *,
     length = min(6.5, MAX_WIDTH - left - right)
     width = max(left + length + right, title_width(title))
     legend_n = len(legend_rows([(c, c) for c in categories]
-                               + ([("p", "predicted: the Playbook's arithmetic")]
+                               + ([("p", f"predicted: {predicted_by}")]
                                   if any(guesses) else []), width))
     title_h = 0.45 if title else 0.15
     bars = sum(len(ranks) + (1 if g else 0) for (_, ranks), g in zip(rows, guesses, strict=True))
@@ -197,7 +199,7 @@ def show_memory(rows: Sequence[tuple[str, Sequence[Mapping[str, float]]]], *,
             "tell its parts apart:", ha="left", va="top", fontsize=FONT - 1, color="#333333",
             style="italic")
     extra = [Patch(fc="white", ec="#333333", ls=(0, (3, 2)),
-                   label="predicted: the Playbook's arithmetic")] if any(guesses) else []
+                   label=f"predicted: {predicted_by}")] if any(guesses) else []
     _legend(ax, categories, width, extra, top=0.02)
     return canvas.fig
 

@@ -33,6 +33,10 @@ OVER = "#B00020"
 STEP_PARTS = ("compute", "TP", "CP", "PP", "DP", "bubble")
 """The step's parts in the order drawn: compute, then each parallelism's exposed
 communication, then the bubble."""
+STEP_STYLES = ((0.3, None), (0.65, "--"), (0.78, "||"), (1.0, "oo"), (0.55, "++"),
+               (0.88, "**"))
+"""How each step part is drawn: shades and hatches none of the memory parts (`STYLES`)
+use, so that in one picture a fill means one thing."""
 GIB = 2**30
 
 
@@ -47,14 +51,15 @@ def _check(plan: Mapping, k: int) -> None:
 
 
 def _parts(ax, x: float, y: float, h: float, values: Sequence[tuple[str, float]],
-           order: Sequence[str], scale: float, color: str) -> float:
+           order: Sequence[str], scale: float, color: str,
+           styles: Sequence[tuple[float, str | None]] = STYLES) -> float:
     """A stacked bar of `values` from (x, y), each part styled by its place in `order`."""
     start = x
     for name, value in values:
         w = value * scale
         if w <= 0:
             continue
-        shade, hatch = STYLES[order.index(name) % len(STYLES)]
+        shade, hatch = styles[order.index(name) % len(styles)]
         ax.add_patch(Rectangle((x, y), w, h, fc=tint(color, shade), ec="none"))
         if hatch:
             ax.add_patch(Rectangle((x, y), w, h, fill=False, ec=line_color(color),
@@ -66,10 +71,11 @@ def _parts(ax, x: float, y: float, h: float, values: Sequence[tuple[str, float]]
     return x
 
 
-def _legend(ax, order: Sequence[str], x: float, y: float) -> None:
+def _legend(ax, order: Sequence[str], x: float, y: float,
+            styles: Sequence[tuple[float, str | None]] = STYLES) -> None:
     handles = []
     for k, name in enumerate(order):
-        shade, hatch = STYLES[k % len(STYLES)]
+        shade, hatch = styles[k % len(styles)]
         handles.append(Patch(fc=tint(PREDICTED, shade), ec=line_color(PREDICTED), hatch=hatch,
                              label=name))
     ax.add_artist(ax.legend(handles=handles, loc="lower left", ncol=len(handles),
@@ -163,7 +169,8 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
             parts = [("compute", p["time_s"]["compute"])]
             parts += [(k, v) for k, v in p.get("exposed_s", {}).items()]
             parts.append(("bubble", p["time_s"]["bubble"]))
-            end = _parts(ax, x_step, top, bar_h, parts, STEP_PARTS, step_scale, PREDICTED)
+            end = _parts(ax, x_step, top, bar_h, parts, STEP_PARTS, step_scale, PREDICTED,
+                         STEP_STYLES)
             mfu = p.get("mfu")
             ax.text(end + 0.08, top + bar_h / 2, _seconds(step) + (
                 f", MFU {mfu:.0%}" if mfu is not None else ""), ha="left", va="center",
@@ -171,7 +178,7 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     ax.text(0.3, 0.62, "memory:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
     _legend(ax, memory_order, 1.15, 0.55)
     ax.text(0.3, 0.22, "step:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
-    _legend(ax, STEP_PARTS, 1.15, 0.15)
+    _legend(ax, STEP_PARTS, 1.15, 0.15, STEP_STYLES)
     ax.text(width - 0.2, 0.62, "black line: the GPU's memory", ha="right", va="bottom",
             fontsize=FONT - 1, style="italic", color="#333333")
     ax.text(width - 0.2, 0.22, "TP … DP: exposed communication", ha="right",
