@@ -189,19 +189,25 @@ class Calibration:
         return self.checks[hidden]
 
     def table(self) -> str:
+        """The calibration in words. Times in ms with one decimal, never in exponent form
+        (a loaded machine's step may take seconds: 1010.0 ms, not 1.01e+03)."""
         c = self.cluster
         base = ("the datasheet's peak" if c.flops != self.flops
                 else "that rate, which MFU is counted against here")
-        lines = [f"{self.name}: a GFLOP of matmul takes {1e9 / self.flops * 1e3:.3g} ms; "
-                 f"a layer computes at {c.efficiency:.2f}× {base}, plus "
-                 f"{c.overhead * 1e3:.3g} ms a layer and micro-batch"]
+        lines = [f"{self.name}: a GFLOP of matmul takes {_ms(1e9 / self.flops)}; a layer "
+                 f"computes at {c.efficiency:.2f}× {base}, plus {_ms(c.overhead)} a layer and "
+                 "micro-batch"]
         for hidden, seconds in self.steps.items():
-            lines.append(f"  hidden {hidden:,}: step {seconds * 1e3:.3g} ms measured, "
-                         f"{self.predict(hidden) * 1e3:.3g} ms planned (fitted)")
+            lines.append(f"  hidden {hidden:,}: step {_ms(seconds)} measured, "
+                         f"{_ms(self.predict(hidden))} planned (fitted)")
         for hidden, (got, planned) in self.checks.items():
-            lines.append(f"  hidden {hidden:,}: step {got * 1e3:.3g} ms measured, "
-                         f"{planned * 1e3:.3g} ms planned, {planned / got:.2f}× (held out)")
+            lines.append(f"  hidden {hidden:,}: step {_ms(got)} measured, {_ms(planned)} "
+                         f"planned, {planned / got:.2f}× (held out)")
         return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 0.01 else f"{seconds * 1e3:.1f} ms"
 
 
 def measure(device: str | None = None, widths: tuple[int, ...] | None = None,

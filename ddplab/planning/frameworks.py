@@ -15,6 +15,12 @@ from dataclasses import dataclass, replace
 
 from ddplab.planning.shapes import GRAD_SYNC, RECOMPUTE, Layout
 
+KEPT_STAGES = 3
+"""The most virtual stages a GPU's pipeline keeps unsharded at once under torch's
+interleaved schedules (`torch/distributed/pipelining/schedules.py`,
+`_add_unshard_reshard(..., max_active_stages=3)`): beyond, stages are resharded and
+gathered again."""
+
 
 @dataclass(frozen=True)
 class Framework:
@@ -24,8 +30,9 @@ class Framework:
     `interleave`: virtual pipeline stages; `cp`: context parallelism; `grad_sync` and
     `keep_weights`: how ZeRO-2 and 3 accumulate (`Layout`'s fields of the same names), and
     `pp_whole`: under a pipeline, gradients unsharded until the last micro-batch, and
-    ZeRO-3's weights kept without interleaving, gathered again with it (torch's pipelining:
-    its interleaved runtime unshards and reshards the stages it runs); `grad_dtype`,
+    ZeRO-3's weights kept while a GPU runs at most `KEPT_STAGES` virtual stages, gathered
+    again beyond (torch's pipelining: its interleaved runtime keeps at most that many
+    stages unsharded, `_add_unshard_reshard(max_active_stages=3)`); `grad_dtype`,
     `fp32_shards` and `kernels`: what its layouts use (`Layout`'s)."""
 
     name: str
@@ -64,9 +71,10 @@ class Framework:
                        "under ZeRO-2/3")
         if self.pp_whole and lay.pp > 1 and lay.zero >= 2 and (
                 lay.grad_sync != "step" or (lay.zero == 3 and lay.keep_weights
-                                            != (lay.interleave == 1))):
+                                            != (lay.interleave <= KEPT_STAGES))):
             why.append(f"{self.name}'s pipeline keeps gradients unsharded until the last "
-                       "micro-batch, and ZeRO-3's weights too unless interleaved")
+                       f"micro-batch, and ZeRO-3's weights too up to {KEPT_STAGES} virtual "
+                       "stages a GPU")
         if lay.zero == 3 and lay.keep_weights not in self.keep_weights:
             why.append(f"{self.name} does not {'keep' if lay.keep_weights else 'regather'} "
                        "ZeRO-3's weights across micro-batches")
@@ -104,16 +112,19 @@ FRAMEWORKS: dict[str, Framework] = {
                         "and context parallelism"),
     # torchtitan: FSDP2 (ZeRO-3, its sharded parameters the fp32 masters) or DDP over the
     # data-parallel ranks, TP with SequenceParallel norms, torch.distributed.pipelining's
-    # schedules (interleaved ones included), context parallelism, selective or full
-    # activation checkpointing; its mixed precision reduces in fp32
+    # schedules (interleaved ones included), context parallelism, and SDPA's attention,
+    # which stores no s × s scores: the planner's "selective" is torchtitan with activation
+    # checkpointing off, "full" its full checkpointing; its own "selective" (per-op
+    # checkpointing of every second matmul) is not modelled. Its mixed precision reduces in
+    # fp32
     # (`mixed_precision_reduce = "float32"`); eager unless `--compile`. FSDP2
     # reduce-scatters after every micro-batch unless told not to
     # (`set_requires_gradient_sync(False)`); pipelining keeps gradients unsharded until the
     # last micro-batch (`pipelining/stage.py`), and with `reshard_after_forward=False`
-    # (torchtitan's under PP) the weights, except that the interleaved runtime unshards and
-    # reshards the stages it runs (`pipelining/schedules.py`).
+    # (torchtitan's under PP) the weights, up to `KEPT_STAGES` virtual stages a GPU.
     "torchtitan": Framework(
-        "torchtitan", zero=(0, 3), sp=(True,), recompute=RECOMPUTE, interleave=True, cp=True,
+        "torchtitan", zero=(0, 3), sp=(True,), recompute=("selective", "full"),
+        interleave=True, cp=True,
         pp_whole=True, fp32_shards=True, kernels="eager",
         source="torchtitan; torch.distributed.fsdp and .pipelining"),
     # DeepSpeed's ZeRO stages 0-3 (reduce-scatter every micro-batch), its pipeline engine

@@ -470,20 +470,21 @@ def search(model: Transformer, cluster: Cluster, gpus: int, batch: int,
     # unsharded is ZeRO-1, for one), the simplest: the lowest ZeRO stage, no options.
     feasible.sort(key=lambda p: (-p.tokens_per_s, p.memory_total, p.layout.zero,
                                  p.layout.grad_sync != "micro-batch", p.layout.keep_weights))
-    # And of one layout's interleavings, the fastest: v is a setting to tune once the
-    # layout is chosen, and a list of the same layout at v = 2, 4, 5, 8 ... teaches nothing.
-    kept, seen, families = [], set(), set()
+    # And of one layout's interleavings, those that some other does not beat in both speed
+    # and memory: v is a setting to tune once the layout is chosen, and a list of the same
+    # layout at v = 2, 4, 5, 8 ... each slower and no smaller teaches nothing.
+    kept, seen, lightest = [], set(), {}
     for p in feasible:
         lay = p.layout
-        family = (p.dp, lay.tp, lay.pp, lay.cp, lay.micro_batch, lay.recompute, lay.sp)
-        twin = (*family, lay.interleave, round(p.step, 9), round(p.memory_total))
-        zero = (lay.zero, lay.grad_sync, lay.keep_weights)
+        family = (p.dp, lay.tp, lay.pp, lay.cp, lay.micro_batch, lay.recompute, lay.sp,
+                  lay.zero, lay.grad_sync, lay.keep_weights)
+        twin = (*family[:7], lay.interleave, round(p.step, 9), round(p.memory_total))
         if twin in seen:
             rejected["the same plan as a lower ZeRO stage"] += 1
-        elif (*family, *zero) in families:
-            rejected["a slower interleaving of a listed layout"] += 1
+        elif p.memory_total >= lightest.get(family, math.inf):
+            rejected["a slower interleaving of a listed layout, no smaller"] += 1
         else:
-            families.add((*family, *zero))
+            lightest[family] = p.memory_total
             kept.append(p)
         seen.add(twin)
     return Search(kept, len(tried), rejected)

@@ -13,8 +13,9 @@ Two sources, each row copied from the paper's table:
   GPU Clusters Using Megatron-LM" (SC21), Table 1: 1.7B to 1T parameters, heads, hidden
   size, layers, TP, PP, GPUs, batch size and achieved teraFLOP/s per GPU (44–52 % of the
   312 TFLOP/s peak). All use a 51,200-token vocabulary, 2,048-token sequences, full
-  activation recomputation and the 1F1B schedule; the table does not give micro-batch
-  sizes or interleaving, so these rows use micro-batch 1, no interleaving. Its FLOPs
+  activation recomputation and, section 5.1, the interleaved 1F1B schedule; the table does
+  not give micro-batch sizes or the virtual stages, so these rows use micro-batch 1 and the
+  fewest virtual stages that split a stage evenly (`_even_interleave`), fp16 training. Its FLOPs
   include the recomputation (their 96BslH² formula): hardware FLOPs.
 
 Run: `.venv/bin/python benchmarks/planner_vs_published.py` (pure arithmetic, instant;

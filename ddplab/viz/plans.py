@@ -173,8 +173,9 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
                          STEP_STYLES)
             mfu = p.get("mfu")
             ax.text(end + 0.08, top + bar_h / 2, _seconds(step) + (
-                f", MFU {mfu:.0%}" if mfu is not None else ""), ha="left", va="center",
-                fontsize=FONT - 1)
+                f", MFU {mfu:.0%}" if mfu is not None else "") + (
+                "" if p.get("feasible", True) else " if it fit"), ha="left", va="center",
+                fontsize=FONT - 1, color="#222222" if p.get("feasible", True) else OVER)
     ax.text(0.3, 0.62, "memory:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
     _legend(ax, memory_order, 1.15, 0.55)
     ax.text(0.3, 0.22, "step:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
