@@ -58,10 +58,11 @@ Parameters, gradients and optimizer state follow the mixed-precision Adam accoun
 ZeRO (Rajbhandari et al. 2020): 2Ψ bf16 parameters, gradients, 12Ψ fp32 master weights
 and Adam moments, sharded by ZeRO stage over the data-parallel ranks (times CP:
 those ranks hold the same parameters). Gradients are held in the dtype they accumulate
-in (`Layout.grad_dtype`): fp32 in every framework that trains in bf16 (Megatron-LM's and
-picotron's `main_grad`, FSDP2 reducing in fp32, DeepSpeed's BF16 optimizer), each bf16
-gradient freed once added: 2 + 4 + 12 = 18 bytes a parameter (the Ultra-Scale Playbook's
-20 keeps the bf16 gradients too); reduced in fp32 as well. FSDP2 keeps no bf16 copy: its
+in (`Layout.grad_dtype`): fp32 when training in bf16 (Megatron-LM's `main_grad`, FSDP2
+with `reduce_dtype=torch.float32` as torchtitan sets it, DeepSpeed's BF16 optimizer; the
+Llama 3 paper, section 3.3.4), each bf16 gradient freed once added (Megatron-LM's hook,
+FSDP2): 2 + 4 + 12 = 18 bytes a parameter (the Ultra-Scale Playbook's 20 keeps the bf16
+gradients too, as picotron does); reduced in fp32 as well. FSDP2 keeps no bf16 copy: its
 sharded parameter is the fp32 master, 4 + 4 + 8 (`Layout.fp32_shards`). Under gradient
 accumulation ZeRO-2 and 3 either reduce-scatter after every micro-batch (charged m times)
 or hold the gradients whole until the last (charged in memory), and ZeRO-3 gathers its

@@ -247,9 +247,9 @@ class Layout:
 
     What gradient accumulation costs (mixed precision; `ddplab.planner`'s docstring):
     `grad_dtype` the dtype gradients accumulate and are reduced in, "fp32" (Megatron-LM's
-    and picotron's `main_grad`, FSDP2 with `reduce_dtype=torch.float32`, DeepSpeed's BF16
-    optimizer: 4 bytes a parameter; each bf16 gradient is freed once added) or "bf16" /
-    "fp16" (2). `grad_sync` (ZeRO-2 and 3): "micro-batch" reduce-scatters after every
+    `main_grad`, FSDP2 with `reduce_dtype=torch.float32`, DeepSpeed's BF16 optimizer: 4
+    bytes a parameter, each bf16 gradient freed once added, as Megatron-LM's hook and FSDP2
+    do) or "bf16" / "fp16" (2). `grad_sync` (ZeRO-2 and 3): "micro-batch" reduce-scatters after every
     micro-batch's backward and keeps gradients sharded (FSDP2's default, DeepSpeed), "step"
     accumulates them unsharded and reduce-scatters once, after the last (FSDP2 with
     `set_requires_gradient_sync(False)`, torch's pipelining). `keep_weights` (ZeRO-3): the
