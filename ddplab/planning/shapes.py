@@ -249,11 +249,11 @@ class Layout:
     `grad_dtype` the dtype gradients accumulate and are reduced in, "fp32" (Megatron-LM's
     `main_grad`, FSDP2 with `reduce_dtype=torch.float32`, DeepSpeed's BF16 optimizer: 4
     bytes a parameter, each bf16 gradient freed once added, as Megatron-LM's hook and FSDP2
-    do) or "bf16" / "fp16" (2). `grad_sync` (ZeRO-2 and 3): "micro-batch" reduce-scatters after every
-    micro-batch's backward and keeps gradients sharded (FSDP2's default, DeepSpeed), "step"
-    accumulates them unsharded and reduce-scatters once, after the last (FSDP2 with
-    `set_requires_gradient_sync(False)`, torch's pipelining). `keep_weights` (ZeRO-3): the
-    gathered weights stay until the last micro-batch's backward (FSDP2 with
+    do) or "bf16" / "fp16" (2). `grad_sync` (ZeRO-2 and 3): "micro-batch" reduce-scatters
+    after every micro-batch's backward and keeps gradients sharded (FSDP2's default,
+    DeepSpeed), "step" accumulates them unsharded and reduce-scatters once, after the last
+    (FSDP2 with `set_requires_gradient_sync(False)`, torch's pipelining). `keep_weights`
+    (ZeRO-3): the gathered weights stay until the last micro-batch's backward (FSDP2 with
     `reshard_after_forward=False` and `set_reshard_after_backward(False)`) instead of being
     gathered again for every micro-batch's forward and backward. `fp32_shards` (ZeRO-3):
     the sharded parameter is the fp32 master itself and no bf16 copy stays between uses
