@@ -277,7 +277,15 @@ def _run_data(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from ddplab.planner import FRAMEWORKS, GPUS, MODELS, RECOMPUTE, SCHEDULES  # no torch
+    from ddplab.planner import (  # plain data, no torch
+        FRAMEWORKS,
+        GPUS,
+        GRAD_SYNC,
+        KERNELS,
+        MODELS,
+        RECOMPUTE,
+        SCHEDULES,
+    )
 
     p = sub.add_parser(
         "plan",
@@ -340,7 +348,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="activation recomputation; selective also stands for FlashAttention "
                         "(default: none)")
-    p.add_argument("--grad-sync", default="micro-batch", choices=("micro-batch", "step"),
+    p.add_argument("--grad-sync", default=GRAD_SYNC[0], choices=GRAD_SYNC,
                    help="ZeRO-2/3: reduce-scatter gradients after every micro-batch (FSDP2's "
                         "default, DeepSpeed) or once, unsharded until the last (pipelining)")
     p.add_argument("--keep-weights", action="store_true",
@@ -348,7 +356,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bf16-grads", action="store_true",
                    help="accumulate and reduce gradients in bf16 (default: the framework's, "
                         "fp32 but for megatron-2021's fp16)")
-    p.add_argument("--kernels", choices=("fused", "compiled", "eager"),
+    p.add_argument("--kernels", choices=list(KERNELS),
                    help="how the layers' kernels are built, for the activations they save "
                         "(default: the framework's)")
     p.add_argument("--fp32", action="store_true",
@@ -447,6 +455,7 @@ def _plan_inputs(args: argparse.Namespace):
 
 
 def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
+    import dataclasses
     import json
 
     from ddplab import planner
@@ -462,13 +471,13 @@ def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
             if found.plans:
                 _flag_step(found.plans[0])
             return 0 if found.plans else 1
-        layout = planner.Layout(args.tp, args.pp, args.cp, args.zero, args.micro_batch,
-                                args.interleave, args.schedule, args.recompute, args.fp32,
-                                sp=not args.no_sp, grad_dtype="bf16" if args.bf16_grads
-                                else framework.grad_dtype, grad_sync=args.grad_sync,
-                                keep_weights=args.keep_weights,
-                                fp32_shards=framework.fp32_shards,
-                                kernels=args.kernels or framework.kernels)
+        layout = framework.adopt(planner.Layout(
+            args.tp, args.pp, args.cp, args.zero, args.micro_batch, args.interleave,
+            args.schedule, args.recompute, args.fp32, sp=not args.no_sp,
+            grad_sync=args.grad_sync, keep_weights=args.keep_weights))
+        overrides = {"grad_dtype": "bf16" if args.bf16_grads else None,
+                     "kernels": args.kernels}
+        layout = dataclasses.replace(layout, **{k: v for k, v in overrides.items() if v})
         result = planner.plan(model, cluster, args.gpus, layout, batch, framework)
     except ValueError as exc:
         print(f"ddplab plan: {exc}", file=sys.stderr)

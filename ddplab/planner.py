@@ -96,6 +96,7 @@ from ddplab.planning.predict import (
 from ddplab.planning.shapes import (
     CATEGORIES,
     GPUS,
+    GRAD_SYNC,
     KERNELS,
     MODELS,
     RECOMPUTE,
@@ -107,7 +108,7 @@ from ddplab.planning.shapes import (
     Transformer,
 )
 
-__all__ = ["CATEGORIES", "FRAMEWORKS", "GPUS", "KERNELS", "MODELS", "NEAR",
+__all__ = ["CATEGORIES", "FRAMEWORKS", "GPUS", "GRAD_SYNC", "KERNELS", "MODELS", "NEAR",
            "RECOMPUTE", "RESERVED", "SCHEDULES", "Cluster", "Framework", "GiB", "Layout",
            "Plan", "Search", "Transformer", "calibrated", "layouts", "plan", "resolve",
            "search", "with_efficiency"]

@@ -14,7 +14,6 @@ from ddplab.costmodel import bytes_text
 from ddplab.planning.frameworks import FRAMEWORKS, Framework
 from ddplab.planning.shapes import (
     GRAD_DTYPES,
-    KERNELS,
     RESERVED,
     Cluster,
     GiB,
@@ -229,7 +228,7 @@ def plan(model: Transformer, cluster: Cluster, gpus: int, layout: Layout,
     # FSDP2's mixed precision: the sharded parameter is the fp32 master, no bf16 copy.
     shards = lay.fp32_shards and lay.zero == 3 and not lay.fp32
     act = m.activation_bytes(lay.micro_batch, lay.tp, lay.cp, lay.recompute, lay.sp)
-    act *= word / 2 * (KERNELS[lay.kernels] if lay.recompute != "full" else 1)
+    act *= word / 2 * lay.saved_factor
     last = m.last_stage_bytes(lay.micro_batch, lay.tp, lay.cp, lay.sp, word)
     fullest, psi = None, 0.0
     for i, n in enumerate(counts):
@@ -336,7 +335,7 @@ def layouts(model: Transformer, cluster: Cluster, gpus: int, fp32: bool = False,
     every ZeRO stage, recomputation, TP with and without sequence parallelism, and ZeRO-2
     and 3's ways of accumulating. 1F1B only: GPipe holds more activations for the same
     bubble."""
-    fw = resolve(framework, FRAMEWORKS, "framework") if isinstance(framework, str) else framework
+    fw = _framework(framework)
     found = []
     for tp in _powers(min(cluster.gpus_per_node, gpus)):
         for cp in _powers(max(model.seq // 4096, 1)) if fw.cp else [1]:
@@ -346,7 +345,7 @@ def layouts(model: Transformer, cluster: Cluster, gpus: int, fp32: bool = False,
                 virtual = _divisors(model.layers // pp, model.layers) if fw.interleave \
                     and pp > 1 else [1]
                 for zero in fw.zero:
-                    for sync, keep in _accumulations(fw, zero, pp):
+                    for sync, keep in _accumulations(fw, zero):
                         for sp in fw.sp if tp > 1 else fw.sp[:1]:
                             for recompute in fw.recompute:
                                 for micro in MICRO_BATCHES:
@@ -357,14 +356,20 @@ def layouts(model: Transformer, cluster: Cluster, gpus: int, fp32: bool = False,
     return [lay for lay in found if not fw.refuses(lay)]
 
 
-def _accumulations(fw: Framework, zero: int, pp: int) -> list[tuple[str, bool]]:
+def _accumulations(fw: Framework, zero: int) -> list[tuple[str, bool]]:
     """ZeRO-2 and 3's ways of accumulating gradients (and ZeRO-3's of keeping weights)
-    that `fw` offers; one for the stages where it is no choice."""
+    that `fw` offers; one for the stages where it is no choice. What a pipeline allows of
+    them is `Framework.refuses`'s to say."""
     if zero < 2:
         return [("micro-batch", False)]
     keeps = fw.keep_weights if zero == 3 else (False,)
-    return [(sync, keep) for sync in fw.grad_sync for keep in keeps
-            if not (fw.pp_whole and pp > 1 and sync != "step")]
+    return [(sync, keep) for sync in fw.grad_sync for keep in keeps]
+
+
+def _framework(framework: Framework | str) -> Framework:
+    """A framework, or a preset's name (a ValueError naming the choices)."""
+    return resolve(framework, FRAMEWORKS, "framework") if isinstance(framework, str) \
+        else framework
 
 
 NEAR = 0.02
@@ -456,11 +461,13 @@ def search(model: Transformer, cluster: Cluster, gpus: int, batch: int,
     """Every layout of `layouts` (or `candidates`) that `framework` can run, planned; the
     feasible ones ranked by tokens/s, then by memory (of two equally fast, the one with
     more headroom first)."""
-    fw = resolve(framework, FRAMEWORKS, "framework") if isinstance(framework, str) else framework
+    fw = _framework(framework)
     tried = candidates if candidates is not None else layouts(model, cluster, gpus, fp32, fw)
+    # `layouts` offers only what `fw` runs; layouts given by the caller are checked here
+    check = fw if candidates is not None else None
     feasible, rejected = [], Counter()
     for layout in tried:
-        p = plan(model, cluster, gpus, layout, batch, fw)
+        p = plan(model, cluster, gpus, layout, batch, check)
         if p.feasible:
             feasible.append(p)
         for reason in p.reasons[:1]:  # counted by kind: the reason with its numbers as N

@@ -291,6 +291,13 @@ class Layout:
         _choice(self.kernels, tuple(KERNELS), "kernels")
 
     @property
+    def saved_factor(self) -> float:
+        """Bytes a layer saves for backward as a multiple of the activation formula's: the
+        kernels' factor (`KERNELS`), except under full recomputation, which saves the
+        layer's input only, whatever the kernels."""
+        return KERNELS[self.kernels] if self.recompute != "full" else 1.0
+
+    @property
     def sharded_grads(self) -> bool:
         """Whether gradients are held sharded while micro-batches accumulate: ZeRO-2 and 3
         reduce-scattering after each one. Otherwise every rank holds them whole until the

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 
 from ddplab.planning.predict import Plan, plan
-from ddplab.planning.shapes import GPUS, KERNELS, Cluster, Layout, Transformer
+from ddplab.planning.shapes import GPUS, Cluster, Layout, Transformer
 
 MODES = {"eager": ("selective", "eager"), "full": ("full", "eager"),
          "compile": ("selective", "compiled")}
@@ -58,8 +58,7 @@ class Step:
     def saved_predicted(self) -> float:
         """The planner's bytes saved by one layer (the kernels' factor included)."""
         lay = self.layout
-        base = self.model.activation_bytes(1, recompute=lay.recompute)
-        return base * (KERNELS[lay.kernels] if lay.recompute != "full" else 1)
+        return self.model.activation_bytes(1, recompute=lay.recompute) * lay.saved_factor
 
 
 def _read(name: str) -> dict:
