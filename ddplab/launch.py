@@ -28,9 +28,12 @@ Importing it is cheap (no torch).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import os
 import re
+import sys
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -389,4 +392,43 @@ def init_process_group(launch: Launch, backend: str = "gloo",
                 "run that has not exited yet). Set MASTER_PORT to a free port (torchrun: "
                 "--master_port).") from None
         raise
+    global _exit_policy_registered
+    if backend == "gloo" and not _exit_policy_registered and "ipykernel" not in sys.modules \
+            and not sys.flags.interactive:
+        atexit.register(_end_a_failed_script_now)
+        _exit_policy_registered = True
     return dev
+
+
+_exit_policy_registered = False
+
+
+def _end_a_failed_script_now() -> None:
+    """At exit, after a script that made a gloo group failed: exit at once, status 1.
+
+    Python prints the uncaught exception, then finalizes the interpreter, then exits with
+    status 1. gloo's worker threads are still alive then: in torch 2.13, once a
+    `DistributedDataParallel` or FSDP model has used the group, `destroy_process_group()`
+    no longer joins them, even with the model freed (as pytorch/pytorch#107298 reports).
+    A worker that lets go of its last finished collective during finalization needs the
+    GIL to free what the collective captured; a finalizing interpreter ends that thread
+    instead, inside a C++ destructor, and the process aborts: "terminate called without an
+    active exception", status -6 instead of 1 (seen in a core dump; the abandoned
+    pytorch/pytorch#179291 describes the same; 2 runs in 45 of chapter 6a's restart demo,
+    three at once on a 2-core machine, rank 1 or rank 0). atexit handlers run before
+    finalization begins, so this one ends the process there, with the status Python would
+    have given, its output flushed: the traceback is already printed, and `@record` has
+    already written torchrun's error file.
+
+    A script that ends well, or by `sys.exit`, is left to the normal exit: that needs its
+    own status, and its last collective finished long before. Not in a notebook's kernel
+    or `python -i`, which live on after an error: they never register it.
+    """
+    failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if failed is None or isinstance(failed, SystemExit):
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)

@@ -187,3 +187,38 @@ def test_a_taken_port_is_named_not_a_hang():
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         with pytest.raises(LaunchError, match=f"127.0.0.1:{port}: the port is already in use"):
             launch.init_process_group(where, "gloo", timeout=timedelta(seconds=5))
+
+
+_ENDING = """
+import atexit, sys
+from datetime import timedelta
+from ddplab import launch
+atexit.register(print, "the interpreter's normal exit ran", flush=True)  # runs after ddplab's
+launch.init_process_group(launch.detect(), "gloo", timeout=timedelta(seconds=10))
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending, status, normal_exit", [
+    ("raise RuntimeError('the script fails')", 1, False),
+    ("sys.exit(3)", 3, True),
+    ("print('the script ends well')", 0, True),
+])
+def test_a_script_that_made_a_gloo_group_and_failed_skips_the_interpreters_exit(
+        ending, status, normal_exit):
+    """A failed script's interpreter exit would race gloo's worker threads, which torch
+    leaves running (the abort `launch._end_a_failed_script_now` explains): it ends with
+    status 1 and its traceback printed, before any later exit step; every other ending is
+    Python's own, its status kept."""
+    import subprocess
+    import sys
+
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMIX_", "DDPLAB_"))}
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(launch.free_port()))
+    done = subprocess.run([sys.executable, "-c", _ENDING.format(ending=ending)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == status, done.stderr
+    assert ("the interpreter's normal exit ran" in done.stdout) == normal_exit
+    assert ("RuntimeError: the script fails" in done.stderr) == (status == 1)

@@ -5,7 +5,8 @@
 - the pool's own start and restart, which no longer retry anything;
 - a Jupyter kernel's start, over the transport this run's kernels use, also beside another
   program's dense, changing ports;
-- chapter 6a's two-node torchrun runs, the static and the c10d rendezvous;
+- chapter 6a's two-node torchrun runs, the static and the c10d rendezvous, and its
+  restart after a failing rank;
 - chapter 6b's Slurm jobs while another private cluster runs its own (a test's, under
   `pytest -n 2`), each numbering its jobs from 1;
 - chapter 7a's dead rank under TORCH_DISTRIBUTED_DEBUG=DETAIL, whose row of the table must
@@ -216,6 +217,27 @@ def test_chapter_6a_two_node_torchrun_runs(load, tally, shell):
     static.run(static_once)
     c10d.run(c10d_once)
     assert static.failed == c10d.failed == 0, (static.failures, c10d.failures)
+
+
+@pytest.mark.launchers
+def test_chapter_6a_restart_after_a_failing_rank(load, tally, shell):
+    """The chapter's elastic demo: rank 1 fails in epoch 2, torchrun restarts both ranks,
+    and the run resumes. Each failing rank must exit with status 1: before
+    `launch._end_a_failed_script_now`, one in about twenty aborted instead (-6)."""
+    row = tally("chapter 6a: a rank fails, torchrun restarts, the run resumes", 40)
+
+    def once() -> None:
+        done = shell("FAIL_ONCE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 "
+                     "elastic_train.py --epochs 2 --data $DATA --out $RUNS/elastic-stress",
+                     show=False, check=False)
+        (shell.runs / "elastic-stress" / "checkpoint.pt").unlink(missing_ok=True)
+        assert done.returncode == 0, done.stderr[-500:]
+        failed = [line for line in done.stderr.splitlines() if "failed (exitcode" in line]
+        assert len(failed) == 1 and "exitcode: 1)" in failed[0], failed
+        assert "terminate called" not in done.stderr, done.stderr[-500:]
+
+    row.run(once)
+    assert row.failed == 0, row.failures
 
 
 @pytest.mark.launchers
