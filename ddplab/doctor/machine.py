@@ -59,7 +59,7 @@ class Environment:
             ("NCCL", self.nccl_version or "none"),
             ("plug-ins", ", ".join(
                 f"{name} ({_PLUGINS[name][0]} {version})" if version
-                else f"{name}: needs {_PLUGINS[name][0]} ({_PLUGINS[name][1]}), not installed"
+                else f"{name}: {_PLUGINS[name][0]} not installed ({_PLUGINS[name][1]})"
                 for name, version in self.plugins.items())),
         ]
 
@@ -77,8 +77,11 @@ def built_backends() -> dict[str, bool]:
             for name, check in checks.items() if hasattr(dist, check)}
 
 
-_PLUGINS = {"hccl": ("torch_npu", "Huawei Ascend NPUs")}
-"""Backends that are not in torch at all: a package registers them when it is imported."""
+_PLUGINS = {"hccl": ("torch_npu", "Huawei Ascend NPUs; Intel Gaudi's hccl comes with "
+                                   "Intel Gaudi's own PyTorch packages")}
+"""Backends that are not in torch at all: a package registers them when it is imported.
+Two vendors register an "hccl": Huawei's, for Ascend NPUs, through torch_npu (checked
+here), and Intel's, for Gaudi (device "hpu")."""
 
 
 def _plugin_backends() -> dict[str, str | None]:
