@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -392,15 +393,14 @@ def init_process_group(launch: Launch, backend: str = "gloo",
                 "run that has not exited yet). Set MASTER_PORT to a free port (torchrun: "
                 "--master_port).") from None
         raise
-    global _exit_policy_registered
-    if backend == "gloo" and not _exit_policy_registered and "ipykernel" not in sys.modules \
-            and not sys.flags.interactive:
-        atexit.register(_end_a_failed_script_now)
-        _exit_policy_registered = True
+    if backend == "gloo" and "ipykernel" not in sys.modules and not sys.flags.interactive:
+        _register_exit_policy()
     return dev
 
 
-_exit_policy_registered = False
+@functools.cache  # once a process, however many groups it makes
+def _register_exit_policy() -> None:
+    atexit.register(_end_a_failed_script_now)
 
 
 def _end_a_failed_script_now() -> None:

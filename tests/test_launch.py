@@ -11,7 +11,7 @@ import torch
 
 from ddplab import Pool, launch
 from ddplab.launch import Launch, LaunchError, detect, first_host, gpu_index, tasks_per_node
-from ddplab.pool.rendezvous import rank_env
+from ddplab.pool.rendezvous import is_per_process, rank_env
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
             "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "node02",
@@ -213,8 +213,8 @@ def test_a_script_that_made_a_gloo_group_and_failed_skips_the_interpreters_exit(
     import subprocess
     import sys
 
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMIX_", "DDPLAB_"))}
+    env = {name: value for name, value in os.environ.items()  # no launcher's, no Slurm job's
+           if not is_per_process(name) and not name.startswith("SLURM_")}
     env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(launch.free_port()))
     done = subprocess.run([sys.executable, "-c", _ENDING.format(ending=ending)], env=env,

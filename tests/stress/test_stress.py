@@ -224,13 +224,15 @@ def test_chapter_6a_restart_after_a_failing_rank(load, tally, shell):
     """The chapter's elastic demo: rank 1 fails in epoch 2, torchrun restarts both ranks,
     and the run resumes. Each failing rank must exit with status 1: before
     `launch._end_a_failed_script_now`, one in about twenty aborted instead (-6)."""
+    from ddplab.train import CHECKPOINT
+
     row = tally("chapter 6a: a rank fails, torchrun restarts, the run resumes", 40)
 
     def once() -> None:
         done = shell("FAIL_ONCE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 "
                      "elastic_train.py --epochs 2 --data $DATA --out $RUNS/elastic-stress",
                      show=False, check=False)
-        (shell.runs / "elastic-stress" / "checkpoint.pt").unlink(missing_ok=True)
+        (shell.runs / "elastic-stress" / CHECKPOINT).unlink(missing_ok=True)
         assert done.returncode == 0, done.stderr[-500:]
         failed = [line for line in done.stderr.splitlines() if "failed (exitcode" in line]
         assert len(failed) == 1 and "exitcode: 1)" in failed[0], failed
