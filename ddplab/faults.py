@@ -100,16 +100,17 @@ class Trial:
 # gloo's messages start with the C++ source they come from, and name peers by address and
 # port: neither tells a learner anything, and the ports change at every run.
 _CPP_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ")
-_PEER = re.compile(r"(?:Read error )?\[[0-9a-fA-F.:]+\]:\d+:? ?")
+_PEER = re.compile(r" ?(?:Read error )?\[[0-9a-fA-F.:]+\]:\d+:? ?")
 # Whether a dead peer's socket reads as "reset" or "closed" is a race between the kernel's
 # TCP stack and gloo's reader; both mean the same thing here.
 _LOST = re.compile(r"Connection (?:reset|closed) by peer")
 
 
-def tidy(message: str, limit: int = 48) -> str:
-    """The first sentence of a torch or gloo error, without what changes from run to run."""
-    text = _LOST.sub("Connection to a peer lost", _CPP_SOURCE.sub("", message))
-    first = _PEER.sub("", text).split(". ")[0].split("\n")[0].strip()
+def tidy(message: str, limit: int = 48, whole_line: bool = False) -> str:
+    """The first sentence (or with `whole_line`, the first line) of a torch or gloo error,
+    without what changes from run to run."""
+    text = _PEER.sub("", _LOST.sub("Connection to a peer lost", _CPP_SOURCE.sub("", message)))
+    first = (text if whole_line else text.split(". ")[0]).split("\n")[0].strip()
     return first if len(first) <= limit else first[:limit - 1] + "…"
 
 
@@ -195,10 +196,11 @@ def table(trials: list[Trial]) -> str:
 # TORCH_DISTRIBUTED_DEBUG=DETAIL names a mismatch in one long sentence per rank:
 # "Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=3, OpType=ALLREDUCE,
 # TensorShape=[4], TensorDtypes=Float, TensorDeviceTypes=...), but Rank 1 is running
-# collective: CollectiveFingerPrint(...)".
+# collective: CollectiveFingerPrint(...)". A collective without tensors (a barrier) has only
+# the first two, and torch 2.13 writes them with no separator: "(SequenceNumber=1OpType=BARRIER)".
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
-                          r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], "
-                          r"TensorDtypes=(\w+)")
+                          r"SequenceNumber=(\d+),? ?OpType=(\w+)"
+                          r"(?:, TensorShape=\[([^\]]*)\], TensorDtypes=(\w+))?")
 
 
 @dataclass(frozen=True)
@@ -208,8 +210,8 @@ class Fingerprint:
     rank: int
     seq: int  # the group's sequence number: read it first
     op: str  # "ALLREDUCE", "BROADCAST", ...
-    shape: str  # "4", "2, 3"
-    dtype: str
+    shape: str | None  # "4", "2, 3"; None for a collective without tensors (a barrier)
+    dtype: str | None
 
 
 def fingerprints(err: RankError) -> list[Fingerprint]:
@@ -223,6 +225,8 @@ def fingerprints(err: RankError) -> list[Fingerprint]:
 
 
 def fingerprint_table(err: RankError) -> str:
-    """DETAIL's verdict as a table: rank, sequence number, collective, shape, dtype."""
-    rows = [[f.rank, f.seq, f.op, f"[{f.shape}]", f.dtype] for f in fingerprints(err)]
+    """DETAIL's verdict as a table: rank, sequence number, collective, shape, dtype ("-" for
+    a collective without tensors)."""
+    rows = [[f.rank, f.seq, f.op, "-" if f.shape is None else f"[{f.shape}]", f.dtype or "-"]
+            for f in fingerprints(err)]
     return format_table(rows, header=["rank", "seq", "collective", "shape", "dtype"])

@@ -52,6 +52,39 @@ def test_detail_names_the_mismatch_with_sequence_numbers():
     assert op.seen[1] == "✗ [2, 4, 6, 8], no error"  # DETAIL does not compare reduce ops
 
 
+def _send_then_barrier():
+    """A correct program that DETAIL rejects in torch 2.13 (pytorch#148976)."""
+    if dist.get_rank() == 0:
+        dist.send(torch.ones(1), dst=1)
+    elif dist.get_rank() == 1:
+        dist.recv(torch.zeros(1), src=0)
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_detail_fingerprints_of_a_barrier_behind_a_send():
+    """A send between two of three ranks advances their sequence number only, and the
+    barrier's fingerprints (no tensors, no separator in torch's text) are still read."""
+    with Pool(3, timeout=30, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as p:
+        p.quiet = True
+        with pytest.raises(RankError) as info:
+            p.run(_send_then_barrier)
+    prints = {f.rank: f for f in faults.fingerprints(info.value)}
+    assert (prints[0].seq, prints[2].seq) == (1, 0)
+    assert {(f.op, f.shape, f.dtype) for f in prints.values()} == {("BARRIER", None, None)}
+    rows = faults.fingerprint_table(info.value).splitlines()[1:]
+    assert rows[0].split() == ["0", "1", "BARRIER", "-", "-"]
+
+
+def test_tidy_keeps_a_whole_first_line_without_the_peer():
+    message = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+               "peer [127.0.0.1]:10973. This is typically caused by a remote worker crashing.\n"
+               " Original exception: ...")
+    assert faults.tidy(message) == "Connection to a peer lost"
+    assert faults.tidy(message, limit=200, whole_line=True) == (
+        "Connection to a peer lost. This is typically caused by a remote worker crashing.")
+
+
 @pytest.mark.slow
 def test_gloo_giving_up_rebuilds_the_pool():
     """After gloo's own timeout the group's connections are closed: the pool starts anew."""

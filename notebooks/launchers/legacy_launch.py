@@ -6,9 +6,10 @@ each process its local rank.
 
 Without --use-env, the launcher appends `--local-rank=N` to each process's arguments
 (torch before 2.0 spelled it `--local_rank`), and a script that does not declare it fails
-with "unrecognized arguments". With --use-env it sets LOCAL_RANK instead, as torchrun does.
-This script accepts both spellings and the variable, so it runs under either, and under
-torchrun; torch.distributed.launch itself warns that it is deprecated: use torchrun.
+with "unrecognized arguments". It sets LOCAL_RANK either way, as torchrun does: --use-env
+only drops the argument. This script accepts both spellings and the variable, so it runs
+under either, and under torchrun; torch.distributed.launch itself warns that it is
+deprecated: use torchrun, and read LOCAL_RANK.
 """
 
 import argparse
