@@ -190,7 +190,7 @@ def table(trials: list[Trial]) -> str:
     right, maxed = answers(len(ranks))
     return (format_table(rows, header=header, rule=True)
             + "\n(* the victim; error: the rank raised a RuntimeError)"
-            + f"\n(SUM, the right answer: {right}; MAX on every rank: {maxed})")
+            + f"\n(SUM, the right answer: {right}; what MAX on every rank would give: {maxed})")
 
 
 # TORCH_DISTRIBUTED_DEBUG=DETAIL names a mismatch in one long sentence per rank:

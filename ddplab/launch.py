@@ -175,7 +175,7 @@ def _from_slurm(env: Mapping[str, str]) -> Launch:
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
     addr = env.get("MASTER_ADDR") or (first_host(nodes) if nodes else "127.0.0.1")
     port = _int(env, "MASTER_PORT", 0) or _job_port(env, ("SLURM_JOB_ID", "SLURM_JOBID"),
-                                                   "SLURM_CLUSTER_NAME")
+                                                   "SLURM_CLUSTER_NAME", "SLURM_STEP_ID")
     return _checked(Launch("slurm", rank, world_size, local_rank, local_world_size, node_rank,
                            addr, port),
                     {"rank": "SLURM_PROCID", "world_size": "SLURM_STEP_NUM_TASKS",
@@ -263,22 +263,25 @@ _JOB_PORTS = (20000, 32768)
 
 
 def _job_port(env: Mapping[str, str], job_vars: tuple[str, ...],
-              cluster_var: str | None = None) -> int:
+              cluster_var: str | None = None, step_var: str | None = None) -> int:
     """A port every process of one job computes alike, without talking: from the job's id.
 
     Used only when MASTER_PORT is not given. A job's id is unique within its cluster only,
     so the cluster's name goes in too: two of the kit's private Slurm clusters (a chapter's
     and a test's, side by side) each number their jobs from 1, and their job 3s, running at
     once, would otherwise both listen on one port (one failed "already in use"; or a rank
-    reached the other job's store and lost it when that job ended). The port lies below
+    reached the other job's store and lost it when that job ended). So does the step's id
+    where the launcher has steps: one Slurm job may run several `srun` steps at once (small
+    trainings side by side in one allocation), each a world of its own. The port lies below
     Linux's ephemeral range (32768 up), which the machine's own outgoing connections take
-    at random. Two running jobs still meet on one port about once in 12,768 pairs; then
+    at random. Two running steps still meet on one port about once in 12,768 pairs; then
     the error from `init_process_group` says to set MASTER_PORT.
     """
     job = next((env[name] for name in job_vars if env.get(name)), "")
     where = env.get(cluster_var, "") if cluster_var else ""
+    step = env.get(step_var, "") if step_var else ""
     low, high = _JOB_PORTS
-    return low + zlib.crc32(f"{where}/{job}".encode()) % (high - low)
+    return low + zlib.crc32(f"{where}/{job}.{step}".encode()) % (high - low)
 
 
 def tasks_per_node(spec: str) -> list[int]:

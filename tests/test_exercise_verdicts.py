@@ -772,6 +772,43 @@ def _slurm_before_mpirun(env):
     return 0, 0, 1
 
 
+def _slurm_ntasks(env):
+    """6.2, wrong: the job's task count as the world size, whether or not this is a task."""
+    if "TORCHELASTIC_RUN_ID" in env:
+        return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return (int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_LOCAL_RANK"]),
+                int(env["OMPI_COMM_WORLD_SIZE"]))
+    if "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"])
+    return 0, 0, 1
+
+
+def _c10d_one_id_per_node(node):
+    """6.1, wrong: c10d with each node's own --rdzv_id: two jobs of one node each."""
+    return ("torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d "
+            f"--rdzv_endpoint=10.0.0.5:29400 --rdzv_id={node} -m ddplab.train")
+
+
+def _c10d_shared_id(node):
+    """6.1, right too: c10d, one id for the job, the nodes number themselves."""
+    return ("torchrun --nnodes=2 --nproc-per-node=gpu --rdzv-backend=c10d "
+            "--rdzv-endpoint=10.0.0.5:29400 --rdzv-id=job42 -m ddplab.train")
+
+
+def _static_elastic_spelling(node):
+    """6.1, right too: --nnodes=2:2 is exactly 2 nodes."""
+    rank = ["gpu05", "gpu06"].index(node)
+    return (f"torchrun --nnodes=2:2 --nproc_per_node=8 --node_rank={rank} "
+            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+
+
+def test_exercise_6_1_accepts_c10d_and_the_other_spellings_of_the_job():
+    for attempt in (_c10d_shared_id, _static_elastic_spelling):
+        feedback = check("6.1", attempt)
+        assert feedback.passed, repr(feedback)
+
+
 def _standalone_everywhere(node):
     """6.1, wrong: --standalone makes each node a job of its own."""
     rank = ["gpu05", "gpu06"].index(node)
@@ -793,6 +830,15 @@ def _whole_list(nodelist):
 def _before_first_comma(nodelist):
     """6.3, wrong: a split on the first comma, brackets kept."""
     return nodelist.split(",")[0]
+
+
+def _first_bracket_only(nodelist):
+    """6.3, wrong: what follows the first bracket group dropped (the old instructors' way)."""
+    first = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
+    if "[" not in first:
+        return first
+    prefix, ranges = first.split("[", 1)
+    return prefix + ranges.split("]")[0].replace("-", ",").split(",")[0]
 
 
 def _local_rank_as_node_rank(env, gpus_per_node):
@@ -822,6 +868,12 @@ CHAPTER_6 = [
      "use env.get(name)"),
     ("6.2", _slurm_before_mpirun, "for mpirun -np 8 inside a Slurm job of 2 nodes, a rank on "
      "the second node", "look for the innermost first"),
+    ("6.2", _slurm_ntasks, "for a Slurm batch script of 2 tasks that runs python itself, "
+     "with no srun (", "which of Slurm's variables do only a step's tasks have"),
+    ("6.1", _c10d_one_id_per_node, "node_command(...) gives the nodes different --rdzv_id "
+     "values (gpu05, gpu06)", "the same --rdzv_id"),
+    ("6.3", _first_bracket_only, "master_addr('node[01-02]-ib') returned 'node01'",
+     "A name may go on after its brackets"),
     ("6.1", _standalone_everywhere, "node_command('gpu05') uses --standalone",
      "drop --standalone"),
     ("6.1", _node_rank_zero, "node_command('gpu06') has --node_rank=0, but gpu06 is node "
@@ -831,8 +883,8 @@ CHAPTER_6 = [
     ("6.3", _before_first_comma, "master_addr('gpu[07-09]') returned 'gpu[07-09]'",
      "Which group comes first"),
     ("6.4", _local_rank_as_node_rank, "node_torchrun(env, 4) on node03 (OMPI_COMM_WORLD_RANK=1 "
-     "of 3) has --node_rank=0, but it is node rank 1", "OMPI_COMM_WORLD_LOCAL_RANK numbers the "
-     "processes on one node"),
+     "of 3) has --node_rank=0, but it is node rank 1", "OMPI_COMM_WORLD_LOCAL_RANK and "
+     "OMPI_COMM_WORLD_NODE_RANK number the processes within one node"),
     ("6.4", _torchrun_variables, "node_torchrun(env, 4) on node02 (OMPI_COMM_WORLD_RANK=0 of 3) "
      "raised KeyError", "come later, from torchrun"),
     ("6.4", _three_nodes_always, "node_torchrun(env, 8) on node02 (OMPI_COMM_WORLD_RANK=0 of 2) "

@@ -68,6 +68,12 @@ def test_one_job_id_in_two_clusters_gets_two_ports_below_the_ephemeral_range():
     assert all(20000 <= port < 32768 for port in jobs), (min(jobs), max(jobs))
 
 
+def test_two_steps_of_one_job_get_two_ports():
+    """One allocation may run several srun steps at once, each a world of its own."""
+    steps = {detect({**SLURM, "SLURM_STEP_ID": str(step)}).master_port for step in range(4)}
+    assert len(steps) == 4, steps
+
+
 def test_a_batch_script_itself_is_not_an_srun_task():
     # sbatch's script runs once, as SLURM_PROCID=0, with no step: it is one process.
     batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "7"}

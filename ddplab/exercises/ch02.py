@@ -317,4 +317,6 @@ def check_sign_in(sign_in) -> str:
         raise NotYet(f"process {p} (rank {rank}) returned the addresses {value!r}; expected "
                      f"every rank's address in rank order: {want!r}.")
     return (f"{_WORLD} processes with no numbers, arriving in any order, each took its own "
-            "rank and learned every rank's address: rendezvous, as launchers do it.")
+            "rank and learned every rank's address, the handing out that a launcher's "
+            "rendezvous does (torchrun's c10d numbers the nodes once all have joined, by "
+            "their addresses, not by arrival).")

@@ -64,6 +64,9 @@ LAUNCHES = [
      (2, 2, 8)),
     ("a JupyterLab kernel inside a Slurm batch job of 1 task",
      {"SLURM_JOB_ID": "99", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (0, 0, 1)),
+    ("a Slurm batch script of 2 tasks that runs python itself, with no srun",
+     {**_JOB, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+      "SLURM_NTASKS": "2"}, (0, 0, 1)),
 ]
 
 
@@ -153,26 +156,53 @@ def check_node_command(node_command) -> str:
         call = f"node_command({node!r})"
         expect(not args.standalone, f"{call} uses --standalone, which makes every node a job "
                "of its own.", "drop --standalone: the nodes must meet at the master.")
-        expect(str(args.nnodes) == str(len(NODES)), f"{call} asks for --nnodes={args.nnodes}; "
-               f"the job has {len(NODES)} nodes.")
-        expect(str(args.nproc_per_node) == str(GPUS_PER_NODE), f"{call} starts "
+        _expect_nodes(args, call, len(NODES))
+        expect(str(args.nproc_per_node) in (str(GPUS_PER_NODE), "gpu"), f"{call} starts "
                f"--nproc_per_node={args.nproc_per_node}; each node has {GPUS_PER_NODE} GPUs, "
                "one process each.")
-        expect(args.rdzv_backend == "static", f"{call} uses the {args.rdzv_backend} "
-               "rendezvous; this exercise is the classic static one (node ranks given).")
-        expect((args.master_addr, args.master_port) == MASTER,
-               f"{call} meets at {args.master_addr}:{args.master_port}; the master, "
-               f"{NODES[0]}, listens at {MASTER[0]}:{MASTER[1]}.")
-        expect(args.node_rank == node_rank,
-               f"{call} has --node_rank={args.node_rank}, but {node} is node rank {node_rank}"
-               f" ({NODES[0]}, the master, is 0).")
+        where = f"{MASTER[0]}:{MASTER[1]}"
+        if args.rdzv_backend == "c10d":  # also right: the nodes number themselves
+            expect(args.rdzv_endpoint == where, f"{call} meets at {args.rdzv_endpoint!r}; the "
+                   f"master, {NODES[0]}, is reached at {where}.")
+        else:
+            expect((args.master_addr, args.master_port) == MASTER,
+                   f"{call} meets at {args.master_addr}:{args.master_port}; the master, "
+                   f"{NODES[0]}, listens at {where}.")
+            expect(args.node_rank == node_rank,
+                   f"{call} has --node_rank={args.node_rank}, but {node} is node rank "
+                   f"{node_rank} ({NODES[0]}, the master, is 0).")
         expect(args.module and args.training_script == "ddplab.train",
                f"{call} runs {args.training_script!r}"
                f"{' as a module' if args.module else ''}; it should run -m ddplab.train.")
-        first = node_rank * GPUS_PER_NODE
-        seen.append(f"{node}: ranks {first}-{first + GPUS_PER_NODE - 1}")
+        seen.append((node, args))
+    _expect_one_rendezvous([args for _, args in seen], "node_command(...)")
+    if seen[0][1].rdzv_backend == "c10d":
+        return (f"torchrun reads the {len(NODES)} commands as one c10d job of "
+                f"{len(NODES) * GPUS_PER_NODE} processes; which node becomes node rank 0 is "
+                "the rendezvous's choice, so a script must not guess it from its host name.")
+    ranks = "; ".join(f"{node}: ranks {n * GPUS_PER_NODE}-{(n + 1) * GPUS_PER_NODE - 1}"
+                      for n, (node, _) in enumerate(seen))
     return (f"torchrun reads the {len(NODES)} commands as one job of "
-            f"{len(NODES) * GPUS_PER_NODE} processes: " + "; ".join(seen) + ".")
+            f"{len(NODES) * GPUS_PER_NODE} processes: {ranks}.")
+
+
+def _expect_nodes(args, call: str, nodes: int) -> None:
+    """--nnodes=N, or its elastic spelling N:N (at least N, at most N)."""
+    expect(str(args.nnodes) in (str(nodes), f"{nodes}:{nodes}"), f"{call} asks for "
+           f"--nnodes={args.nnodes}; the job has exactly {nodes} nodes.")
+
+
+def _expect_one_rendezvous(commands: list, calls: str) -> None:
+    """The nodes of one job must agree on the rendezvous: one kind, and under c10d one id
+    (torchrun's --rdzv_id; nodes with different ids wait for each other forever)."""
+    kinds = {args.rdzv_backend for args in commands}
+    expect(len(kinds) == 1, f"{calls} mixes rendezvous kinds ({', '.join(sorted(kinds))}) in "
+           "one job.", "every node of a job uses the same rendezvous.")
+    ids = {args.rdzv_id for args in commands}
+    expect(kinds != {"c10d"} or len(ids) == 1, f"{calls} gives the nodes different "
+           f"--rdzv_id values ({', '.join(sorted(ids))}): under c10d the id names the job, and "
+           "nodes with different ids each wait for a job of their own.",
+           "give every node the same --rdzv_id (a job id, say), or leave it out on all.")
 
 
 # --- 6.3 the master's host name from a Slurm node list ---
@@ -184,14 +214,18 @@ NODELISTS = [
     ("node[002-004,010]", "node002"),
     ("a100-[3,5-6],login2", "a100-3"),
     ("gpu[12-13],cpu[1-4]", "gpu12"),
+    ("node[01-02]-ib", "node01-ib"),             # text after the brackets (a network's name)
+    ("x1000c0s[0-3]b0n0", "x1000c0s0b0n0"),      # an HPE Cray node name
+    ("rack[1-2]-node[01-04]", "rack1-node01"),   # two bracket groups in one name
 ]
 
 
 @exercise("6.3", "The master, from Slurm's node list", solution="master_addr",
           hint="Slurm compresses consecutive names: gpu[07-09,12] means gpu07, gpu08, gpu09 "
                "and gpu12, and a list can hold several such groups, separated by commas that "
-               "are not inside brackets. Which group comes first, and which name in it, "
-               "written exactly as Slurm would (leading zeros too)?")
+               "are not inside brackets. A name may go on after its brackets, and hold more "
+               "than one pair. Which group comes first, and which name in it, written "
+               "exactly as Slurm would (leading zeros too)?")
 def check_master_addr(master_addr) -> str:
     for nodelist, want in NODELISTS:
         got = master_addr(nodelist)
@@ -219,7 +253,7 @@ MPI_NODES = [
           hint="mpirun started one process per node, and each process knows its place among "
                "mpirun's processes.")
 def check_node_torchrun(node_torchrun) -> str:
-    seen = []
+    seen, commands = [], {}
     for node, env, gpus in MPI_NODES:
         size, node_rank = int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"])
         call = f"node_torchrun(env, {gpus}) on {node} (OMPI_COMM_WORLD_RANK={node_rank} of {size})"
@@ -235,8 +269,9 @@ def check_node_torchrun(node_torchrun) -> str:
         args = _parse(command)
         expect(not args.standalone, f"{call} uses --standalone, which makes every node a job "
                "of its own.", "drop --standalone: the nodes must meet at the master.")
-        expect(str(args.nnodes) == str(size), f"{call} asks for --nnodes={args.nnodes}; mpirun "
-               f"started {size} processes, one per node, so the job has {size} nodes.")
+        expect(str(args.nnodes) in (str(size), f"{size}:{size}"), f"{call} asks for --nnodes="
+               f"{args.nnodes}; mpirun started {size} processes, one per node, so the job has "
+               f"{size} nodes.")
         expect(str(args.nproc_per_node) == str(gpus), f"{call} starts --nproc_per_node="
                f"{args.nproc_per_node}; each node has {gpus} GPUs, one process each.")
         if args.rdzv_backend == "c10d":  # also right: the nodes number themselves
@@ -250,12 +285,16 @@ def check_node_torchrun(node_torchrun) -> str:
             expect(args.node_rank == node_rank,
                    f"{call} has --node_rank={args.node_rank}, but it is node rank {node_rank}"
                    + (": every node would claim the same node rank." if node_rank else "."),
-                   "OMPI_COMM_WORLD_LOCAL_RANK numbers the processes on one node (a single "
-                   "one here); the node's number is its process's place in mpirun's world."
+                   "OMPI_COMM_WORLD_LOCAL_RANK and OMPI_COMM_WORLD_NODE_RANK number the "
+                   "processes within one node (a single one here, so both are 0); the node's "
+                   "number is its process's place in mpirun's world."
                    if args.node_rank == 0 else "")
         expect(args.module and args.training_script == "ddplab.train",
                f"{call} runs {args.training_script!r}"
                f"{' as a module' if args.module else ''}; it should run -m ddplab.train.")
         seen.append(f"{node}: ranks {node_rank * gpus}-{node_rank * gpus + gpus - 1}")
+        commands.setdefault(size, []).append(args)
+    for size, job in commands.items():
+        _expect_one_rendezvous(job, f"node_torchrun(...) on the {size} nodes of one job")
     return ("torchrun reads each node's command as its part of one job, 3 nodes x 4 GPUs ("
             + "; ".join(seen[:3]) + ") and 2 nodes x 8 (" + "; ".join(seen[3:]) + ").")

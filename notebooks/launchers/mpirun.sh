@@ -9,12 +9,16 @@
 #   NP=8 HOSTFILE=my_hosts MASTER_ADDR=node02 ./mpirun.sh --backend nccl
 #
 # As root (containers), OpenMPI also needs --allow-run-as-root; --oversubscribe lets it
-# start more processes than cores, as on a laptop.
+# start more processes than cores, as on a laptop. --bind-to none: by default OpenMPI binds
+# each process to one core (to one socket when it starts more than two), and every thread
+# of it, torch's too, would then share that core (man mpirun, "Mapping, Ranking, and
+# Binding"); ddplab.train picks its own thread count instead.
 set -euo pipefail
 here=$(dirname "${BASH_SOURCE[0]}")
 export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} MASTER_PORT=${MASTER_PORT:-29500}
 extra=()
 [[ $(id -u) == 0 ]] && extra+=(--allow-run-as-root)
-exec mpirun -np "${NP:-2}" --hostfile "${HOSTFILE:-$here/hostfile}" --oversubscribe "${extra[@]}" \
+exec mpirun -np "${NP:-2}" --hostfile "${HOSTFILE:-$here/hostfile}" --oversubscribe \
+    --bind-to none "${extra[@]}" \
     -x MASTER_ADDR -x MASTER_PORT -x PATH \
     python -m ddplab.train "$@"

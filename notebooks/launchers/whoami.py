@@ -21,7 +21,9 @@ from ddplab.launch import LaunchError, detect
 PREFIXES = ("RANK", "LOCAL_", "WORLD_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_",
             "OMPI_COMM_WORLD_", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
             "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST",
-            "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", "PMIX_RANK")
+            "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", "PMIX_RANK",
+            # not a launcher's own, but what torchrun sets or passes on to every worker
+            "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(PREFIXES)}
 try:

@@ -4,6 +4,8 @@ One function per exercise, named as the exercise's `solution`; `tests/test_exerc
 checks that each passes `check("6.N", ...)`. Learners: try first, then compare.
 """
 
+import re
+
 
 def launch_vars(env):
     """Exercise 6.2: (rank, local_rank, world_size), the innermost launcher first."""
@@ -36,11 +38,8 @@ def master_addr(nodelist):
         if char == "," and depth == 0:
             end = i
             break
-    first = nodelist[:end]
-    if "[" not in first:
-        return first
-    prefix, ranges = first.split("[", 1)
-    return prefix + ranges.split("]")[0].replace("-", ",").split(",")[0]
+    # Each [...] of that name, replaced by its first entry: "rack[1-2]-n[01-04]" -> "rack1-n01".
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m[1])[0], nodelist[:end])
 
 
 def node_torchrun(env, gpus_per_node):
