@@ -17,6 +17,7 @@ The kernel side imports no torch; `step` imports it on the rank.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,17 +215,26 @@ class Fingerprint:
     dtype: str | None
 
 
-def fingerprints(err: RankError) -> list[Fingerprint]:
-    """Every rank's collective named in DETAIL's mismatch errors, one per rank, rank order."""
-    found: dict[int, Fingerprint] = {}
-    for failure in err.failures.values():
-        for m in _FINGERPRINT.finditer(failure.message):
+def fingerprints(err: RankError | Mapping[int, str]) -> list[Fingerprint]:
+    """Every rank's collective named in DETAIL's mismatch errors, one per rank, rank order.
+
+    `err`: a call's RankError, or each rank's error message by rank. A rank's message names
+    the rank itself first, then a rank that differs: each rank is read from its own message
+    where it has one, and only otherwise from another's (which may be older news)."""
+    messages = ({r: f.message for r, f in err.failures.items()} if isinstance(err, RankError)
+                else dict(err))
+    own: dict[int, Fingerprint] = {}
+    told: dict[int, Fingerprint] = {}
+    for r, message in messages.items():
+        for m in _FINGERPRINT.finditer(message):
             rank = int(m[1])
-            found.setdefault(rank, Fingerprint(rank, int(m[2]), m[3], m[4], m[5]))
+            (own if rank == r else told).setdefault(
+                rank, Fingerprint(rank, int(m[2]), m[3], m[4], m[5]))
+    found = {**told, **own}
     return [found[r] for r in sorted(found)]
 
 
-def fingerprint_table(err: RankError) -> str:
+def fingerprint_table(err: RankError | Mapping[int, str]) -> str:
     """DETAIL's verdict as a table: rank, sequence number, collective, shape, dtype ("-" for
     a collective without tensors)."""
     rows = [[f.rank, f.seq, f.op, "-" if f.shape is None else f"[{f.shape}]", f.dtype or "-"]

@@ -76,6 +76,38 @@ def test_detail_fingerprints_of_a_barrier_behind_a_send():
     assert rows[0].split() == ["0", "1", "BARRIER", "-", "-"]
 
 
+def _skip_the_first_of_three():
+    """Three identical all_reduces, the first skipped by rank 1, then a barrier."""
+    sums = []
+    try:
+        for step in range(3):
+            if dist.get_rank() == 1 and step == 0:
+                continue
+            x = torch.tensor([10.0 * step + dist.get_rank()])
+            dist.all_reduce(x)
+            sums.append(x.item())
+        dist.barrier()
+    except RuntimeError as err:
+        return sums, str(err)
+    return sums, None
+
+
+@pytest.mark.slow
+def test_detail_misses_a_skipped_identical_collective_and_each_rank_is_read_from_its_own_message():
+    """DETAIL compares fingerprints: rank 1's first all_reduce pairs with the others' first
+    (wrong sums, no error), the error comes at the barrier. Rank 1's message then describes
+    rank 0 by its fingerprint's length decoded as a fingerprint (torch 2.13): the table must
+    take rank 0 from rank 0's own message."""
+    with Pool(3, timeout=30, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as p:
+        p.quiet = True
+        outcomes = p.run(_skip_the_first_of_three)
+    assert [sums for sums, _ in outcomes] == [[13.0, 43.0]] * 3
+    assert all(error and error.startswith("Detected mismatch") for _, error in outcomes)
+    prints = faults.fingerprints({rank: error for rank, (_, error) in enumerate(outcomes)})
+    assert [(f.rank, f.seq, f.op) for f in prints] == [(0, 2, "ALLREDUCE"), (1, 2, "BARRIER"),
+                                                       (2, 2, "ALLREDUCE")]
+
+
 def test_tidy_keeps_a_whole_first_line_without_the_peer():
     message = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
                "peer [127.0.0.1]:10973. This is typically caused by a remote worker crashing.\n"
