@@ -352,7 +352,11 @@ def _torchrun_store(launch: Launch, timeout: timedelta):
     restarts the ranks (--max-restarts). The keys the last attempt's ranks wrote are still
     there, gloo's addresses among them, and a restarted rank may read a dead peer's address
     and fail to connect (seen with torch 2.13, whether env:// or tcp://). A prefix per
-    attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt a clean slate.
+    attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt a clean slate on one node. The
+    count is each agent's own (a node restarted because another node's worker failed does
+    not count it), so on several nodes run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (c10d): the workers then host a store of their own in every attempt, and this prefix
+    is harmless.
     """
     import torch.distributed as dist
 

@@ -91,6 +91,12 @@ def _counts_without_waiting(store, key, world_size):
     return store.add(key, 1)
 
 
+def _world_size_at_once(store, key, world_size):
+    """2.2, wrong: adds itself and returns the number it should have waited for."""
+    store.add(key, 1)
+    return world_size
+
+
 def _ranks_from_one(store, world_size, address):
     """2.3, wrong: store.add's first answer is 1, not 0."""
     rank = store.add("next_rank", 1)
@@ -205,6 +211,7 @@ CHAPTER_2 = [
     # Which early rank is named depends on who reached the store first: under load, rank 0
     # may arrive after the late rank 2 and get the full count (seen in CI).
     ("2.2", _counts_without_waiting, "on rank ", "look more than once"),
+    ("2.2", _world_size_at_once, "on rank ", "look more than once"),
     ("2.3", _ranks_from_one, "the processes took the ranks", "the first caller gets 1"),
     ("2.3", _addresses_as_bytes, "process 0 (rank ", ".decode()"),
 ]
@@ -803,8 +810,15 @@ def _static_elastic_spelling(node):
             "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
 
 
+def _module_form_static_endpoint(node):
+    """6.1, right too: torchrun by its module's name, the static rendezvous at an endpoint."""
+    rank = ["gpu05", "gpu06"].index(node)
+    return (f"python -m torch.distributed.run --nnodes=2 --nproc_per_node=auto "
+            f"--node_rank={rank} --rdzv_endpoint=gpu05:29400 -m ddplab.train")
+
+
 def test_exercise_6_1_accepts_c10d_and_the_other_spellings_of_the_job():
-    for attempt in (_c10d_shared_id, _static_elastic_spelling):
+    for attempt in (_c10d_shared_id, _static_elastic_spelling, _module_form_static_endpoint):
         feedback = check("6.1", attempt)
         assert feedback.passed, repr(feedback)
 

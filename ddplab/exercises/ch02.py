@@ -187,9 +187,18 @@ def _arrive_on_rank(arrive, port: int):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=10))
-    if rank == world - 1:
-        time.sleep(0.5)  # the others must wait for this one
+    if rank == world - 1:  # late on purpose: half a second after the others have called
+        others = [f"checker/called/{r}" for r in range(world - 1)]
+        deadline = time.monotonic() + 10
+        while not store.check(others) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        store.set("checker/late_one_came", "1")  # before it adds itself to the counter
+    else:
+        store.set(f"checker/called/{rank}", "1")
     value = arrive(store, _COUNTER, world)
+    # A rank that returned before the late one came did not wait, whatever it returned.
+    early = not store.check(["checker/late_one_came"])
     store.add("checker/done", 1)
     counter = None
     if rank == 0:  # rank 0 serves the store: keep it up until every rank is done with it
@@ -198,7 +207,7 @@ def _arrive_on_rank(arrive, port: int):
             time.sleep(0.01)
         if store.check([_COUNTER]):
             counter = store.get(_COUNTER)
-    return value, counter
+    return value, counter, early
 
 
 @exercise("2.2", "A store as a counter", solution="arrive",
@@ -212,7 +221,7 @@ def check_arrive(arrive) -> str:
             raise _waited_too_long(
                 "at least one rank", "wait until the counter reaches world_size, not more: "
                 "each rank adds exactly 1, so it never goes past world_size.") from None
-    values = [value for value, _ in got]
+    values = [value for value, _, _ in got]
     counter = got[0][1]
     for rank, value in enumerate(values):
         if isinstance(value, int) and not isinstance(value, bool) and value == _WORLD:
@@ -233,6 +242,11 @@ def check_arrive(arrive) -> str:
         raise NotYet(f"on rank {rank} your function returned {value!r}; expected {_WORLD}, "
                      f"the counter once all {_WORLD} ranks have arrived.",
                      "")
+    early = [rank for rank, (_, _, came_first) in enumerate(got) if came_first]
+    expect(not early, f"on rank {early[0] if early else 0} your function returned before "
+           f"rank {_WORLD - 1} had arrived (the check makes it half a second late): it did "
+           "not wait for every rank, whatever it returned.",
+           "after adding 1, look more than once at the counter, until it is world_size.")
     expect(counter is not None and counter == str(_WORLD).encode(),
            f"every rank returned {_WORLD}, but the counter {_COUNTER!r} in the store ended "
            f"at {counter.decode() if counter else 'nothing'}, not {_WORLD}: each rank should "
