@@ -41,6 +41,8 @@ _DAEMON_STEP = {**_JOB, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID
                 "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_STEP_NODELIST": "node03"}
 _MPIRUN_8 = {**_MPIRUN, "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
 
+_NO_SRUN = "a Slurm batch script of 2 tasks that runs python itself, with no srun"
+
 # (what launched it, its environment, (rank, local_rank, world_size))
 LAUNCHES = [
     ("torchrun, node 1 of 2", _TORCHRUN, (5, 1, 8)),
@@ -64,7 +66,7 @@ LAUNCHES = [
      (2, 2, 8)),
     ("a JupyterLab kernel inside a Slurm batch job of 1 task",
      {"SLURM_JOB_ID": "99", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (0, 0, 1)),
-    ("a Slurm batch script of 2 tasks that runs python itself, with no srun",
+    (_NO_SRUN,
      {**_JOB, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
       "SLURM_NTASKS": "2"}, (0, 0, 1)),
 ]
@@ -72,7 +74,7 @@ LAUNCHES = [
 
 # A launch where refusing is right too: detect() refuses it (the job asked for 2 tasks and
 # started one process), and a function that raises there has seen the slip.
-MAY_REFUSE = {"a Slurm batch script of 2 tasks that runs python itself, with no srun"}
+MAY_REFUSE = {_NO_SRUN}
 
 # Each launcher's (rank, local rank, world size), to name the one a wrong answer read.
 _PLACES = {"the srun task": ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS"),
@@ -200,10 +202,11 @@ def _meeting_place(args) -> str:
     return f"{args.master_addr}:{args.master_port}"
 
 
-def _expect_nodes(args, call: str, nodes: int) -> None:
-    """--nnodes=N, or its elastic spelling N:N (at least N, at most N)."""
+def _expect_nodes(args, call: str, nodes: int, why: str = "") -> None:
+    """--nnodes=N, or its elastic spelling N:N (at least N, at most N); `why` says where the
+    number comes from."""
     expect(str(args.nnodes) in (str(nodes), f"{nodes}:{nodes}"), f"{call} asks for "
-           f"--nnodes={args.nnodes}; the job has exactly {nodes} nodes.")
+           f"--nnodes={args.nnodes}; {why}the job has {nodes} nodes.")
 
 
 def _expect_one_rendezvous(commands: list, calls: str) -> None:
@@ -283,9 +286,7 @@ def check_node_torchrun(node_torchrun) -> str:
         args = _parse(command)
         expect(not args.standalone, f"{call} uses --standalone, which makes every node a job "
                "of its own.", "drop --standalone: the nodes must meet at the master.")
-        expect(str(args.nnodes) in (str(size), f"{size}:{size}"), f"{call} asks for --nnodes="
-               f"{args.nnodes}; mpirun started {size} processes, one per node, so the job has "
-               f"{size} nodes.")
+        _expect_nodes(args, call, size, f"mpirun started {size} processes, one per node, so ")
         expect(str(args.nproc_per_node) == str(gpus), f"{call} starts --nproc_per_node="
                f"{args.nproc_per_node}; each node has {gpus} GPUs, one process each.")
         meets = _meeting_place(args)
