@@ -629,6 +629,21 @@ def test_rendezvous_draws_an_arrow_per_client_and_a_link_per_pair_within_the_pag
             viz.show_rendezvous(size, "127.0.0.1:29500")
 
 
+def test_rendezvous_draws_only_the_measured_connections_and_counts_them_in_the_caption():
+    fig = viz.show_rendezvous(4, "127.0.0.1:PORT", store_clients=[0, 2, 3],
+                              pairs=[(1, 0), (2, 3)])
+    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    assert len(arrows) == 2 and len(fig.axes[0].lines) == 2  # rank 0's own stays in its box
+    shown = " ".join(t.get_text() for t in fig.axes[0].texts)
+    assert "2 connections between ranks (of 6 pairs)" in shown
+    assert "ranks 0, 2 and 3 are connected" in shown
+    for bad, why in (({"pairs": [(0, 1), (1, 0)]}, "each store client and each pair once"),
+                     ({"pairs": [(2, 2)]}, "two different ranks"),
+                     ({"store_clients": [4]}, "rank 4 is not one of the 4 ranks")):
+        with pytest.raises(ValueError, match=why):
+            viz.show_rendezvous(4, "127.0.0.1:PORT", **bad)
+
+
 def test_show_leftover_draws_each_reader_arrow_to_a_dead_writers_note_within_the_page():
     notes = [(f"address/{r}", f"run 1, rank {r}", r) for r in range(4)]
     reads = [(r, f"address/{(r + 1) % 4}") for r in range(4)]

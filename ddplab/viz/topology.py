@@ -404,7 +404,10 @@ def _edge(center: tuple[float, float], half: tuple[float, float],
     return center[0] + dx * scale, center[1] + dy * scale
 
 
-def show_rendezvous(world_size: int, address: str, *, title: str | None = None) -> Figure:
+def show_rendezvous(world_size: int, address: str, *,
+                    store_clients: Sequence[int] | None = None,
+                    pairs: Sequence[tuple[int, int]] | None = None,
+                    title: str | None = None) -> Figure:
     """Rendezvous in two panels: every rank meets at rank 0's store, then they talk directly.
 
     Left: rank 0 serves a key-value store at `address` ("MASTER_ADDR:MASTER_PORT"), and
@@ -412,9 +415,25 @@ def show_rendezvous(world_size: int, address: str, *, title: str | None = None) 
     it and read how to reach the others. Right: what the backend builds from those notes,
     a direct connection between every pair of ranks (gloo's full mesh); the store is idle
     from then on. The ranks stand on a circle, rank 0 at the top, in their colours.
+
+    `store_clients` (the ranks holding a connection to the store) and `pairs` (the rank
+    pairs holding a connection) draw what was measured, say from the ranks' sockets; left
+    out, every rank and every pair, as gloo's eager start builds them. A connection
+    measured twice is an error, not a thicker line: the picture shows one line per link.
     """
     if not 2 <= world_size <= 6:
         raise ValueError(f"show_rendezvous draws 2 to 6 ranks, got world_size={world_size}")
+    clients = list(range(world_size)) if store_clients is None else list(store_clients)
+    links = ([(a, b) for a in range(world_size) for b in range(a + 1, world_size)]
+             if pairs is None else [tuple(sorted(p)) for p in pairs])
+    outside = [r for r in clients + [r for p in links for r in p] if not 0 <= r < world_size]
+    if outside:
+        raise ValueError(f"show_rendezvous: rank {outside[0]} is not one of the "
+                         f"{world_size} ranks")
+    if len(set(links)) != len(links) or len(set(clients)) != len(clients) or any(
+            a == b for a, b in links):
+        raise ValueError("show_rendezvous: each store client and each pair once, a pair of "
+                         f"two different ranks (got store_clients={clients}, pairs={links})")
     panel_w, gap, margin = 4.55, 0.3, 0.3
     top = 0.5 if title else 0.15
     head, foot = 0.35, 0.6  # room for each panel's heading, and for its caption
@@ -455,11 +474,12 @@ def show_rendezvous(world_size: int, address: str, *, title: str | None = None) 
 
     for k, (heading, caption) in enumerate((
             ("1 · meet at rank 0's store",
-             "every rank, rank 0 too, connects to MASTER_ADDR:MASTER_PORT,\n"
-             "writes how to reach it, reads the others' notes"),
+             f"{_ranks_phrase(clients, world_size)} connected to MASTER_ADDR:MASTER_PORT\n"
+             "to write how to reach it and read the others' notes"),
             ("2 · then talk directly",
-             f"a connection between every pair of ranks ({world_size * (world_size - 1) // 2}"
-             " here);\nthe tensors never pass through the store"))):
+             f"{len(links)} connections between ranks "
+             f"(of {world_size * (world_size - 1) // 2} pairs);\n"
+             "the tensors never pass through the store"))):
         x0 = margin + k * (panel_w + gap)
         ax.add_patch(Rectangle((x0, foot - 0.05), panel_w, circle_h + head + 0.05,
                                fc="none", ec="#CCCCCC", lw=1.0))
@@ -470,16 +490,29 @@ def show_rendezvous(world_size: int, address: str, *, title: str | None = None) 
         spots = places(x0)
         store = draw_ranks(spots, store_idle=k == 1)
         if k == 0:
-            for rank in range(1, world_size):
+            for rank in clients:
+                if rank == 0:  # rank 0's own connection stays inside its box
+                    continue
                 start = _edge(spots[rank], half(rank), store)
                 end = _edge(spots[0], half(0), spots[rank])
                 canvas.arrow(start, end, rank_color(rank))
         else:
-            for a in range(world_size):
-                for b in range(a + 1, world_size):
-                    ax.plot([spots[a][0], spots[b][0]], [spots[a][1], spots[b][1]],
-                            color="#666666", lw=1.6, zorder=2, solid_capstyle="butt")
+            for a, b in links:
+                ax.plot([spots[a][0], spots[b][0]], [spots[a][1], spots[b][1]],
+                        color="#666666", lw=1.6, zorder=2, solid_capstyle="butt")
     return canvas.fig
+
+
+def _ranks_phrase(ranks: Sequence[int], world_size: int) -> str:
+    """'every rank, rank 0 too, is' / 'ranks 1 and 3 are' / 'no rank is', for a caption."""
+    ranks = sorted(ranks)
+    if ranks == list(range(world_size)):
+        return "every rank, rank 0 too, is"
+    if not ranks:
+        return "no rank is"
+    if len(ranks) == 1:
+        return f"only rank {ranks[0]} is"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]} are"
 
 
 def show_leftover(notes: Sequence[tuple[str, object, int]], reads: Sequence[tuple[int, str]], *,
