@@ -111,6 +111,31 @@ def _addresses_as_bytes(store, world_size, address):
     return rank, [store.get(f"address/{r}") for r in range(world_size)]
 
 
+def _every_note_blindly(store, world_size):
+    """2.4, wrong: a get of every rank's note waits for the one that never came."""
+    return {r: store.get(f"default_pg/0//cpu//0/{r}") for r in range(world_size)}
+
+
+def _chapters_key_names(store, world_size):
+    """2.4, wrong: the chapter's group named its notes 0//cpu//0/r; this job does not."""
+    return {r: "?" for r in range(world_size) if store.check([f"0//cpu//0/{r}"])}
+
+
+def _port_little_endian(store, world_size):
+    """2.4, almost: the port read in the machine's byte order, not the network's."""
+    import socket
+    import struct
+
+    came = {}
+    for key in store.list_keys():
+        note = store.get(key)
+        (n,) = struct.unpack_from("<Q", note, 0)
+        address = note[16 + n:]
+        port = struct.unpack_from("<H", address, 2)[0]
+        came[int(key.rpartition("/")[2])] = f"{socket.inet_ntoa(address[4:8])}:{port}"
+    return came
+
+
 CHAPTER_0 = [
     ("0.1", _blocks_rounded_down, "with 4 ranks and n=10, no rank got numbers 8, 9",
      "the numbers left over must go somewhere too"),
@@ -214,6 +239,10 @@ CHAPTER_2 = [
     ("2.2", _world_size_at_once, "on rank ", "look more than once"),
     ("2.3", _ranks_from_one, "the processes took the ranks", "the first caller gets 1"),
     ("2.3", _addresses_as_bytes, "process 0 (rank ", ".decode()"),
+    ("2.4", _every_note_blindly, "your function waited for a key that never came",
+     "store.check([key]) asks without waiting"),
+    ("2.4", _chapters_key_names, "your function found no note", "how this job named them"),
+    ("2.4", _port_little_endian, "for rank ", "'>H'"),
 ]
 
 

@@ -6,6 +6,9 @@
 2.2  arrive(store, key, world_size) -> world_size, run on every rank: a store as a counter.
 2.3  sign_in(store, world_size, address) -> (rank, every rank's address), run by processes
      that have no rank yet: hand out the ranks through the store, then swap addresses.
+2.4  who_came(store, world_size) -> {rank: "ip:port"}, from the store of a start-up that
+     hangs because one rank never came: which ranks wrote gloo's note, and the address in
+     each.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import datetime
 import os
 import secrets
 import shutil
+import socket
+import struct
+import sys
 import tempfile
 import time
 
@@ -334,3 +340,120 @@ def check_sign_in(sign_in) -> str:
             "rank and learned every rank's address, the handing out that a launcher's "
             "rendezvous does (torchrun's c10d numbers the nodes once all have joined, by "
             "their addresses, not by arrival).")
+
+
+# --- 2.4 ---------------------------------------------------------------------------------
+
+_JOB = 4
+_STARTUP_TIMEOUT = 2  # seconds the ranks that came wait for the one that did not
+_LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
+
+
+def _start_without(missing: int, port: int) -> str:
+    """On a checker's rank: join a 4-rank gloo group as torchrun's workers do (clients of a
+    store served outside the ranks), unless this is the rank that never comes."""
+    import torch.distributed as dist
+
+    if int(os.environ["RANK"]) == missing:
+        return "never came"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME=_LOOPBACK)
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT))
+    except dist.DistStoreError:  # the wait for the missing rank's note: what the job does
+        return "waited"
+    dist.destroy_process_group()
+    return "joined"
+
+
+def _ask(who_came, port: int):
+    """On a checker's rank: the learner's function, given a client of the hung job's store.
+
+    A get of the missing rank's note waits out the store's timeout and raises: returned as
+    ("waited", message) so that the verdict can say why."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT))
+    try:
+        return "answered", who_came(store, _JOB)
+    except dist.DistStoreError as err:
+        return "waited", str(err).splitlines()[0]
+
+
+def _gloo_address(note: bytes) -> tuple[str, int]:
+    """The (IPv4 address, port) a gloo note asks the peers to dial: after a length-prefixed
+    host name, a length-prefixed sockaddr (family, port in network byte order, address)."""
+    (n,) = struct.unpack_from("<Q", note, 0)
+    at = 8 + n + 8
+    return socket.inet_ntoa(note[at + 4:at + 8]), struct.unpack_from(">H", note, at + 2)[0]
+
+
+def _byte_swapped(port: int) -> int:
+    return int.from_bytes(port.to_bytes(2, "big"), "little")
+
+
+@exercise("2.4", "Who never came?", solution="who_came",
+          hint="store.list_keys() shows what is in the store and how this job named the "
+               "notes; the chapter took one note apart.")
+def check_who_came(who_came) -> str:
+    import torch.distributed as dist
+
+    missing = secrets.randbelow(_JOB)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=_CALL_TIMEOUT))
+    with ranks(_JOB, init_method=None) as pool:
+        came = pool.run(_start_without, missing, server.port, timeout=_CALL_TIMEOUT)
+        if came.count("waited") != _JOB - 1:
+            raise RuntimeError(f"the hung start-up went otherwise than planned: {came}")
+        truth = {int(key.rpartition("/")[2]): "{}:{}".format(*_gloo_address(server.get(key)))
+                 for key in server.list_keys() if "/cpu/" in key}
+        try:
+            how, value = pool.run(_ask, who_came, server.port, ranks=[0],
+                                  timeout=_CALL_TIMEOUT)[0]
+        except RankTimeout:
+            raise _waited_too_long("your function", "a rank that never came never writes "
+                                   "its note: look at what is there, do not wait for "
+                                   "what is not.") from None
+    came_ranks = sorted(truth)
+    if how == "waited":
+        raise NotYet(f"your function waited for a key that never came, until the store's "
+                     f"timeout ({_STARTUP_TIMEOUT} s for this client; 5 minutes by default): "
+                     f"{value}. That is rank {missing}'s note: the rank that never came.",
+                     "store.get and store.wait wait for a missing key; store.list_keys() "
+                     "lists what is there, and store.check([key]) asks without waiting.")
+    expect(value is not None, "your function returned None; expected a dict {rank: "
+           "'ip:port'} of the ranks whose note is in the store.", "")
+    expect(isinstance(value, dict), f"your function returned {type(value).__name__} "
+           f"{value!r}; expected a dict {{rank: 'ip:port'}}.")
+    if not value:
+        raise NotYet(f"your function found no note; the store holds the notes of ranks "
+                     f"{came_ranks}.", "store.list_keys() shows how this job named them: "
+                     "not quite as the chapter's group did.")
+    bad = [k for k in value if not isinstance(k, int) or isinstance(k, bool)]
+    expect(not bad, f"your dict's keys are {list(value)!r}; a rank is an int, such as "
+           f"{came_ranks[0]}.", "int() turns the last part of a key into a rank.")
+    if missing in value:
+        raise NotYet(f"your dict names rank {missing}, the rank that never came: its note is "
+                     f"not in the store (the notes there are of ranks {came_ranks}).")
+    expect(sorted(value) == came_ranks, f"your dict names the ranks {sorted(value)}; the "
+           f"store holds the notes of ranks {came_ranks}.")
+    for rank in came_ranks:
+        got, want = value[rank], truth[rank]
+        if got == want:
+            continue
+        ip, port = want.rsplit(":", 1)
+        if got == f"{ip}:{_byte_swapped(int(port))}":
+            raise NotYet(f"for rank {rank} you read the port as {got.rsplit(':', 1)[1]}; the "
+                         f"note says {port}. The bytes are right, their order is not.",
+                         "a sockaddr holds the port in network byte order (big-endian): "
+                         "'>H' in struct.")
+        if isinstance(got, bytes):
+            raise NotYet(f"for rank {rank} you returned bytes, {got!r}; expected a str "
+                         f"such as '{ip}:PORT'.")
+        raise NotYet(f"for rank {rank} you returned {got!r}; its note says it listens at "
+                     f"{ip}, on port {port}: expected '{want}'.")
+    return (f"rank {missing} never came: the store holds the notes of ranks {came_ranks} "
+            "only, and each says where that rank listens for its peers. That is what you "
+            "can learn about a start-up that hangs from the store alone, which a client can "
+            "open at MASTER_ADDR:MASTER_PORT while the job waits.")
