@@ -106,6 +106,24 @@ def _reduces_on_rank_0_only(t):
     return 1, 0
 
 
+def _join_by_url(i, nprocs, node, nnodes, url):
+    """2.1, right another way: rank and world size in the tcp:// URL's query."""
+    import torch
+    import torch.distributed as dist
+
+    rank = node * nprocs + i
+    dist.init_process_group("gloo", init_method=f"{url}?rank={rank}&world_size={nnodes * nprocs}")
+    x = torch.tensor([rank])
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    return x
+
+
+def test_exercise_2_1_takes_the_rank_and_world_size_written_into_the_url():
+    feedback = check("2.1", _join_by_url)
+    assert feedback.passed, feedback
+
+
 def test_a_hanging_attempt_is_a_verdict_within_the_deadline():
     feedback = check("4.1", _reduces_on_rank_0_only)
     assert not feedback.passed

@@ -35,6 +35,37 @@ def test_a_hang_report_carries_the_flight_recorder_and_reads_it(pool):
     assert table[-2].split() == [str(seq), "all_reduce([4])", "all_reduce([4])", "broadcast([1])"]
 
 
+def _issue_then_dump():
+    """Two collectives, the second asynchronous; then both of torch's dumps of this rank."""
+    import json
+    import pickle
+
+    from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
+
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    work = dist.broadcast(x, src=0, async_op=True)
+    work.wait()
+    return pickle.loads(_dump_fr_trace()), json.loads(_dump_fr_trace_json())
+
+
+@pytest.mark.slow  # the first pickled dump imports torch._dynamo: about a second
+def test_a_pickled_dump_names_the_line_that_issued_each_collective_and_json_does_not(pool):
+    import inspect
+
+    lines, first = inspect.getsourcelines(_issue_then_dump)
+    line_of = {name: first + next(i for i, text in enumerate(lines) if f"dist.{name}(" in text)
+               for name in ("all_reduce", "broadcast")}
+    pickled, as_json = pool.run(_issue_then_dump)[1]
+    entries = flight.parse(1, pickled).entries[-2:]
+    assert [e.op for e in entries] == ["all_reduce", "broadcast"]
+    for entry in entries:  # the call, not the wait: the broadcast's line, not work.wait()'s
+        file, line, function = entry.issued_at
+        assert file.endswith("test_faults.py") and function == "_issue_then_dump"
+        assert line == line_of[entry.op]
+    assert all(e.issued_at is None for e in flight.parse(1, as_json).entries)
+
+
 @pytest.mark.slow
 def test_detail_names_the_mismatch_with_sequence_numbers():
     with Pool(3, timeout=30, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as p:

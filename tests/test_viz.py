@@ -616,11 +616,11 @@ def test_show_attempts_lays_attempts_side_by_side_and_refuses_unknown_stretches(
         viz.show_attempts([("a", [(0, [("x", 1, "exploded")])])])
 
 
-def test_rendezvous_draws_an_arrow_per_client_and_a_link_per_pair_within_the_page():
+def test_rendezvous_draws_an_arrow_per_store_client_and_a_link_per_pair_within_the_page():
     fig = viz.show_rendezvous(4, "127.0.0.1:29500", title="rendezvous")
     arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
     links = [line for line in fig.axes[0].lines]
-    assert len(arrows) == 3 and len(links) == 6  # ranks 1-3 to rank 0; 4 choose 2
+    assert len(arrows) == 4 and len(links) == 6  # every rank to rank 0's store; 4 choose 2
     assert viz.screen_size(fig)[0] <= 1000
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert "store 127.0.0.1:29500" in texts and "rank 3" in texts
@@ -633,7 +633,7 @@ def test_rendezvous_draws_only_the_measured_connections_and_counts_them_in_the_c
     fig = viz.show_rendezvous(4, "127.0.0.1:PORT", store_clients=[0, 2, 3],
                               pairs=[(1, 0), (2, 3)])
     arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
-    assert len(arrows) == 2 and len(fig.axes[0].lines) == 2  # rank 0's own stays in its box
+    assert len(arrows) == 3 and len(fig.axes[0].lines) == 2  # rank 0's own inside its box
     shown = " ".join(t.get_text() for t in fig.axes[0].texts)
     assert "2 connections between ranks (of 6 pairs)" in shown
     assert "ranks 0, 2 and 3 are connected" in shown

@@ -23,6 +23,7 @@ import struct
 import sys
 import tempfile
 import time
+import urllib.parse
 
 from ddplab.exercises import NotYet, exercise, expect, ranks
 from ddplab.launch import free_port
@@ -116,6 +117,20 @@ def _numbering(ranks_given: list) -> str:
     return "every process of the job needs its own global rank."
 
 
+def _from_url(call: dict) -> dict:
+    """A dry-run call that wrote rank and world_size into the URL's query, as tcp:// allows
+    (`tcp://ADDRESS:PORT?rank=0&world_size=4`), read as if it had passed them as arguments."""
+    given = call.get("init_method")
+    if not isinstance(given, str) or "?" not in given:
+        return call
+    base, _, query = given.partition("?")
+    read = {**call, "init_method": base}
+    for key, value in urllib.parse.parse_qsl(query):
+        if key in ("rank", "world_size") and key not in call:
+            read[key] = int(value) if value.lstrip("-").isdigit() else value
+    return read
+
+
 @exercise("2.1", "Rendezvous for a two-node job", solution="join",
           hint="mp.spawn gives each process only its number on its own node; tcp:// wants "
                "the global rank and the world size of the whole job. Chapter 1's arithmetic "
@@ -125,7 +140,8 @@ def check_join(join) -> str:
     want = sum(range(world))
     with ranks(world, init_method=None) as pool:
         url = f"tcp://127.0.0.1:{free_port()}"
-        seen = pool.run(_spawned, join, url, True, timeout=_CALL_TIMEOUT)
+        seen = [call if call is None or "error" in call else _from_url(call)
+                for call in pool.run(_spawned, join, url, True, timeout=_CALL_TIMEOUT)]
         for me, call in enumerate(seen):
             who = (f"process i={me % _PER_NODE} of node {me // _PER_NODE}")
             expect(call is not None,

@@ -1,8 +1,11 @@
 """Chapter 7 exercises: debugging (who skipped a collective; a deadlock fixed; diverged replicas).
 
 7.1 gives the learner's function real hang reports: a rank of a real pool skips one of
-three collectives, the pool reports the hang, and the function must name the rank and
-the collective from the report's fields (or its flight recorder dumps). 7.2 and 7.3 run
+three collectives, issued asynchronously and waited for at the end as a GPU program's are,
+the pool reports the hang, and the function must name the rank and the collective. Every
+stuck rank's stack points at the same `wait()`, so the report's stacks cannot tell; its
+flight recorder dumps can.
+7.2 and 7.3 run
 the learner's code on real ranks with a short deadline, so an attempt that deadlocks is a
 verdict within seconds, not a hung notebook. 7.3's replicas differ in ways a plain sum of
 the parameters cannot see.
@@ -30,21 +33,25 @@ SKIPS = [(1, "all_reduce"), (2, "all_gather"), (0, "barrier")]
 
 
 def skipping_step(victim: int, skipped: str) -> None:
-    """On a rank: three collectives, one of which `victim` skips."""
+    """On a rank: three collectives issued with async_op=True, one of which `victim` skips,
+    then a wait for each. Every rank that hangs hangs in a `wait()`: the stacks are alike."""
     import torch
     import torch.distributed as dist
 
     x = torch.ones(2)
     gathered = [torch.zeros(2) for _ in range(dist.get_world_size())]
+    works = []
     for name in COLLECTIVES:
         if dist.get_rank() == victim and name == skipped:
             continue
         if name == "all_reduce":
-            dist.all_reduce(x)
+            works.append(dist.all_reduce(x, async_op=True))
         elif name == "all_gather":
-            dist.all_gather(gathered, x)
+            works.append(dist.all_gather(gathered, x, async_op=True))
         else:
-            dist.barrier()
+            works.append(dist.barrier(async_op=True))
+    for work in works:
+        work.wait()
 
 
 @functools.cache
@@ -56,6 +63,10 @@ def _reports(world_size: int = 3) -> list[tuple[int, str, RankTimeout]]:
             try:
                 pool.run(skipping_step, victim, skipped, timeout=2)
             except RankTimeout as err:
+                if sorted(err.flight) != list(range(world_size)):
+                    raise RuntimeError(f"the report of rank {victim} skipping {skipped} "
+                                       f"holds the flight records of ranks {sorted(err.flight)}"
+                                       f" only, not all {world_size}") from err
                 reports.append((victim, skipped, err))
             else:  # pragma: no cover - a skipped collective always hangs on gloo
                 raise RuntimeError(f"rank {victim} skipping {skipped} did not hang")
@@ -63,10 +74,10 @@ def _reports(world_size: int = 3) -> list[tuple[int, str, RankTimeout]]:
 
 
 @exercise("7.1", "Name the rank that skipped a collective, and which", solution="who_skipped",
-          hint="err.stuck maps each rank that did not finish to where it was: "
-               "err.stuck[r].function is the collective it waits in. The ranks that were "
-               "left waiting all wait in the skipped collective; the culprit is the rank "
-               "that is not waiting in it (it went on, or even finished).")
+          hint="every stuck rank waits in the same wait(), so the stacks cannot tell. The "
+               "flight recorders can: flight.parse(rank, err.flight[rank]) lists the "
+               "collectives each rank issued, numbered; find the first number at which one "
+               "rank's record differs from the others', or is missing.")
 def check_who_skipped(who_skipped: Callable) -> str:
     for victim, skipped, report in _reports():
         # A copy of the report for each attempt, so that one which edits it spoils no other.
@@ -77,20 +88,33 @@ def check_who_skipped(who_skipped: Callable) -> str:
                f"your function returned {got!r}; it should return a tuple (rank, collective), "
                "like (1, 'all_reduce').")
         rank, collective = got
-        waits = {r: s.function for r, s in err.stuck.items()}
-        story = (f"(the report: {', '.join(f'rank {r} waits in {f}()' for r, f in waits.items())}"
-                 + ("" if victim in waits else f"; rank {victim} finished") + ")")
+        story = _story(err, victim)
         expect(collective == skipped,
                f"when rank {victim} skipped {skipped}, your function named the collective "
-               f"{collective!r} {story}.",
-               "the skipped collective is the one the other ranks are left waiting in.")
+               f"{collective!r} ({story}).",
+               "the skipped collective is the one the others issued under the first number "
+               "at which the records differ.")
         expect(rank == victim,
                f"when rank {victim} skipped {skipped}, your function named rank {rank!r} "
-               f"{story}.",
-               "the culprit is the rank that is not waiting in the skipped collective: it "
-               "may wait in a later one, or not be in err.stuck at all, because it finished.")
-    return (f"all {len(SKIPS)} culprits named: a skip at the start, in the middle, and at the "
-            "end, where the culprit itself finished and only its victims were stuck.")
+               f"({story}).",
+               "the culprit's record is the odd one out at the first number where they "
+               "differ: another collective under that number, or none at all.")
+    return (f"all {len(SKIPS)} culprits named from the flight recorders, where every stack "
+            "said only wait(): a skip at the start, in the middle, and at the end, where the "
+            "culprit itself finished and only its victims were stuck.")
+
+
+def _story(err: RankTimeout, victim: int) -> str:
+    """What the report shows: each stuck rank's line, and each rank's recorded collectives."""
+    from ddplab import flight
+
+    stacks = ", ".join(f"rank {r} waits at line {s.line} of {s.function}()"
+                       for r, s in err.stuck.items())
+    finished = "" if victim in err.stuck else f"; rank {victim} finished"
+    records = "; ".join(
+        f"rank {r} issued " + ", ".join(e.describe() for e in flight.parse(r, d).entries)
+        for r, d in sorted(err.flight.items()))
+    return f"the stacks: {stacks}{finished}; the flight recorders: {records}"
 
 
 # --- 7.2 a deadlock: only rank 0 logs the mean loss ---

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
-from matplotlib.patches import Rectangle
+from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.patheffects import withStroke
 from matplotlib.textpath import TextPath
 
 from ddplab.viz.canvas import CELL, FONT, GAP, MAX_WIDTH, Canvas, title_width
@@ -443,7 +444,7 @@ def show_rendezvous(world_size: int, address: str, *,
     canvas = Canvas(width, height, CELL, title)
     ax = canvas.ax
     box_w, box_h = 0.95, 0.42
-    zero_w, zero_h = 2.05, 0.78  # rank 0's box holds the store
+    zero_w, zero_h = 2.05, 1.0  # rank 0's box holds the store, and its own arrow to it
     radius_x, radius_y = (1.45, 0.95) if world_size <= 4 else (1.6, 1.3)
 
     def places(x0: float) -> list[tuple[float, float]]:
@@ -463,7 +464,7 @@ def show_rendezvous(world_size: int, address: str, *,
             ax.text(x, y + (h / 2 - 0.17 if rank == 0 else 0), f"rank {rank}", ha="center",
                     va="center", fontsize=FONT + 1, fontweight="bold", zorder=4)
         x, y = spots[0]
-        store = (x, y - 0.12)
+        store = (x, y - 0.2)
         ax.add_patch(Rectangle((store[0] - 0.9, store[1] - 0.16), 1.8, 0.32,
                                fc="#F2F2F2" if store_idle else "white",
                                ec="#999999" if store_idle else "#333333",
@@ -473,10 +474,10 @@ def show_rendezvous(world_size: int, address: str, *,
         return store
 
     for k, (heading, caption) in enumerate((
-            ("1 · meet at rank 0's store",
+            ("1 · connections to rank 0's store",
              f"{_ranks_phrase(clients, world_size)} connected to MASTER_ADDR:MASTER_PORT\n"
              "to write how to reach it and read the others' notes"),
-            ("2 · then talk directly",
+            ("2 · connections between ranks",
              f"{len(links)} connections between ranks "
              f"(of {world_size * (world_size - 1) // 2} pairs);\n"
              "the tensors never pass through the store"))):
@@ -491,15 +492,21 @@ def show_rendezvous(world_size: int, address: str, *,
         store = draw_ranks(spots, store_idle=k == 1)
         if k == 0:
             for rank in clients:
-                if rank == 0:  # rank 0's own connection stays inside its box
+                if rank == 0:  # rank 0's own connection: beside its name, down to its store
+                    x, y = spots[0]
+                    ax.add_patch(FancyArrowPatch(
+                        (x - 0.7, y + half(0)[1] - 0.08), (x - 0.7, store[1] + 0.16),
+                        arrowstyle="-|>", mutation_scale=12, lw=1.8, shrinkA=0, shrinkB=1,
+                        color=line_color(rank_color(0)), zorder=5))
                     continue
                 start = _edge(spots[rank], half(rank), store)
                 end = _edge(spots[0], half(0), spots[rank])
                 canvas.arrow(start, end, rank_color(rank))
         else:
-            for a, b in links:
+            for a, b in links:  # a white edge, so that lines that cross are seen to cross
                 ax.plot([spots[a][0], spots[b][0]], [spots[a][1], spots[b][1]],
-                        color="#666666", lw=1.6, zorder=2, solid_capstyle="butt")
+                        color="#666666", lw=1.6, zorder=2, solid_capstyle="butt",
+                        path_effects=[withStroke(linewidth=7, foreground="white")])
     return canvas.fig
 
 

@@ -9,13 +9,25 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from ddplab import flight
+
 
 def who_skipped(err, world_size):
-    """Exercise 7.1: (the rank that skipped a collective, that collective), from a report."""
-    waits = {rank: stuck.function for rank, stuck in err.stuck.items()}
-    skipped, _ = Counter(waits.values()).most_common(1)[0]  # what the victims wait in
-    culprit = next(r for r in range(world_size) if waits.get(r) != skipped)
-    return culprit, skipped
+    """Exercise 7.1: (the rank that skipped a collective, that collective), from a report.
+
+    The collectives were asynchronous, so every stuck rank's stack shows the same wait():
+    the flight recorders tell. At the first sequence number where the ranks' records
+    differ, the culprit's is the odd one out (another collective, or none), and the
+    skipped collective is what the others issued there."""
+    records = [flight.parse(rank, dump) for rank, dump in sorted(err.flight.items())]
+    last = max(entry.seq for record in records for entry in record.entries)
+    for seq in range(1, last + 1):
+        issued = {r.rank: (r.at(seq).op if r.at(seq) else None) for r in records}
+        (expected, _), *others = Counter(issued.values()).most_common()
+        if others:
+            culprit = next(rank for rank, op in issued.items() if op != expected)
+            return culprit, expected
+    return None
 
 
 def mean_loss(loss):

@@ -20,12 +20,13 @@ module of chapter 7, imports it from here and adds the side-by-side `table`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddplab.pool.errors import ranks_text
 
 Dump = dict | str | bytes
-"""A rank's dump: torch's JSON text, or that text already parsed."""
+"""A rank's dump: torch's JSON text (what the pool keeps), that text parsed, or the pickled
+dump read with `pickle.loads` (which alone holds each entry's Python stack)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,12 @@ class Entry:
     op: str  # "all_reduce", "broadcast", ... (the backend's prefix dropped)
     sizes: tuple[tuple[int, ...], ...]  # its input tensors' shapes
     group: str  # the process group's name ("0" is the default group)
+    # Where the collective was called: (file, line, function) of the innermost frame
+    # outside torch, from the Python stack a pickled dump keeps with each entry (None from
+    # a JSON dump, the pool's: taking the stacks imports torch._dynamo, about a second in a
+    # fresh rank, too slow for a hang report). A rank that waits on an asynchronous
+    # collective shows the wait in its stack; this shows the call that issued it.
+    issued_at: tuple[str, int, str] | None = field(default=None, compare=False)
 
     def describe(self) -> str:
         shapes = ", ".join("[" + ", ".join(map(str, size)) + "]" for size in self.sizes)
@@ -65,11 +72,22 @@ def parse(rank: int, dump: Dump, group: str = "0") -> Record:
             continue
         op = e.get("profiling_name", "?").split(":", 1)[-1]
         sizes = tuple(tuple(size) for size in e.get("input_sizes", []))
-        entries.append(Entry(int(e["collective_seq_id"]), op, sizes, group))
+        entries.append(Entry(int(e["collective_seq_id"]), op, sizes, group,
+                             _issued_at(e.get("frames") or [])))
     status = dump.get("pg_status", {}).get(group, {})
     return Record(rank, tuple(sorted(entries, key=lambda e: e.seq)),
                   int(status.get("last_enqueued_collective", -1)),
                   int(status.get("last_completed_collective", -1)))
+
+
+def _issued_at(frames: list[dict]) -> tuple[str, int, str] | None:
+    """The innermost frame outside torch (frames run innermost first; torch's files are
+    under site-packages/torch/ or dist-packages/torch/)."""
+    for frame in frames:
+        name = str(frame.get("filename", ""))
+        if "-packages/torch/" not in name.replace("\\", "/"):
+            return name, int(frame.get("line", 0)), str(frame.get("name", "?"))
+    return None
 
 
 def verdict(dumps: dict[int, Dump]) -> str:
