@@ -254,15 +254,19 @@ def _first_stuck_rank(err, world_size):
     return rank, err.stuck[rank].function
 
 
-def _majority_of_stacks(err, world_size):
-    """7.1, wrong: a vote over the stacks, which all say wait() (the collectives were
-    asynchronous)."""
+def _majority_of_flight_records(err, world_size):
+    """7.1, half right: the odd one out by majority, which 2 ranks do not have."""
     from collections import Counter
 
-    waits = {rank: stuck.function for rank, stuck in err.stuck.items()}
-    skipped, _ = Counter(waits.values()).most_common(1)[0]
-    culprit = next((r for r in range(world_size) if waits.get(r) != skipped), 0)
-    return culprit, skipped
+    from ddplab import flight
+
+    records = [flight.parse(r, d) for r, d in sorted(err.flight.items())]
+    for seq in range(1, 4):
+        issued = {r.rank: (r.at(seq).op if r.at(seq) else None) for r in records}
+        (expected, _), *others = Counter(issued.values()).most_common()
+        if others:
+            return next(r for r, op in issued.items() if op != expected), expected
+    return None
 
 
 def _logs_on_rank_0_only(loss):
@@ -320,10 +324,10 @@ def _ones_whatever_the_input(model, x):
 
 
 CHAPTER_7 = [
-    ("7.1", _first_stuck_rank, "when rank 1 skipped all_reduce, your function named the "
-     "collective 'skipping_step'", "the first number at which the records differ"),
-    ("7.1", _majority_of_stacks, "when rank 1 skipped all_reduce, your function named the "
-     "collective 'skipping_step'", "the first number at which the records differ"),
+    ("7.1", _first_stuck_rank, "when rank 1 of 3 skipped all_reduce, your function named "
+     "the collective 'skipping_step'", "the first number at which the records differ"),
+    ("7.1", _majority_of_flight_records, "when rank 0 of 2 skipped all_gather, your function "
+     "named the collective 'barrier'", "no majority"),
     ("7.2", _logs_on_rank_0_only, "your function did not finish within 5 s: rank 0 was still "
      "waiting in all_reduce()", "every rank must make the same collective calls"),
     ("7.2", _mean_everywhere, "with 2 ranks, the other ranks returned {1: 1.0}", "None elsewhere"),

@@ -4,12 +4,12 @@ One function per exercise, named as the exercise's `solution`; `tests/test_exerc
 checks that each passes `check("7.N", ...)`. Learners: try first, then compare.
 """
 
-from collections import Counter
-
 import torch
 import torch.distributed as dist
 
 from ddplab import flight
+
+PROGRAM = ("all_reduce", "all_gather", "barrier")  # what 7.1's step calls, in this order
 
 
 def who_skipped(err, world_size):
@@ -17,16 +17,21 @@ def who_skipped(err, world_size):
 
     The collectives were asynchronous, so every stuck rank's stack shows the same wait():
     the flight recorders tell. At the first sequence number where the ranks' records
-    differ, the culprit's is the odd one out (another collective, or none), and the
-    skipped collective is what the others issued there."""
+    differ, the culprit is ahead in the program: it issued a collective the step calls
+    later, or none at all (it ran out). The others issued the skipped one there. No
+    majority vote: with 2 ranks there is none."""
     records = [flight.parse(rank, dump) for rank, dump in sorted(err.flight.items())]
     last = max(entry.seq for record in records for entry in record.entries)
+
+    def place(record, seq):  # how far through the program this rank was at `seq`
+        entry = record.at(seq)
+        return PROGRAM.index(entry.op) if entry else len(PROGRAM)
+
     for seq in range(1, last + 1):
-        issued = {r.rank: (r.at(seq).op if r.at(seq) else None) for r in records}
-        (expected, _), *others = Counter(issued.values()).most_common()
-        if others:
-            culprit = next(rank for rank, op in issued.items() if op != expected)
-            return culprit, expected
+        places = {record.rank: place(record, seq) for record in records}
+        if len(set(places.values())) > 1:
+            culprit = max(places, key=places.get)
+            return culprit, PROGRAM[min(places.values())]
     return None
 
 
