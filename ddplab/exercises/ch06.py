@@ -199,6 +199,8 @@ def _meeting_place(args) -> str:
     (static or c10d), else --master_addr:--master_port (torchrun's own rule, in run.py)."""
     if args.rdzv_endpoint:
         return args.rdzv_endpoint
+    if args.master_port is None:  # torchrun's main() then takes 29500 (run.py)
+        return f"{args.master_addr}:29500 (no --master_port: torchrun's default)"
     return f"{args.master_addr}:{args.master_port}"
 
 
