@@ -160,8 +160,9 @@ FILE_SECONDS = {
     "test_ring.py": 1, "test_viz_routing.py": 1,
 }
 """Each file's test time, in seconds: pass 1 of a clean-clone `.ci/run` (the whole suite,
-`--durations=0`, beside pass 2 on the same two cores, 2026-11-27; chapters 2, 6a and 7a and
-the exercise files raised by what they gained on 2026-12-06); only their order matters. pytest-xdist (`--dist loadfile`) hands each worker a whole file at a time, in the
+`--durations=0`, beside pass 2 on the same two cores, 2026-11-27; chapters 2, 6a and 7a
+and the exercise files raised by what they gained on 2026-12-06); only their order
+matters. pytest-xdist (`--dist loadfile`) hands each worker a whole file at a time, in the
 order they are collected; started longest first, the long files cannot end up running
 alone at the end while the other worker idles (this cut the suite's wall time by a
 tenth; in the run these figures come from, 1,451 s of test time took 738 s on two
