@@ -14,6 +14,7 @@ the parameters cannot see.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 from ddplab.exercises import exercise, expect, ranks, run_in_time
@@ -59,11 +60,9 @@ def skipping_step(victim: int, skipped: str) -> None:
 def _reports() -> list[tuple[int, int, str, RankTimeout]]:
     """Real hang reports, one per case of SKIPS; made once (each costs a 2 s hang)."""
     reports = []
-    for world_size in sorted({world for world, _, _ in SKIPS}, reverse=True):
-        with ranks(world_size, timeout=30) as pool:
-            for world, victim, skipped in SKIPS:
-                if world != world_size:
-                    continue
+    for world_size, cases in itertools.groupby(SKIPS, key=lambda case: case[0]):
+        with ranks(world_size, timeout=30) as pool:  # one pool for each run of one size
+            for _, victim, skipped in cases:
                 try:
                     pool.run(skipping_step, victim, skipped, timeout=2)
                 except RankTimeout as err:

@@ -89,8 +89,11 @@ class Canvas:
 
     def arrow(self, start: tuple[float, float], end: tuple[float, float], color: str,
               depth: float = 0.0, label: str | None = None,
-              avoid: list | None = None) -> None:
+              avoid: list | None = None, over_boxes: bool = False) -> None:
         """An arrow that bows `depth` inches to its left (negative: to its right).
+
+        Arrows run under boxes, which they start and end at; `over_boxes` draws one above
+        them, for an arrow drawn inside a box.
 
         A label goes beside the arc, at the first place along it where its box meets no
         line and no box of `avoid` (arcs as arrays of points, boxes as (x0, y0, x1, y1));
@@ -100,7 +103,8 @@ class Canvas:
         rad = -2 * depth / distance  # arc3's bulge is rad/2 of the distance
         self.ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14,
                                           lw=1.8, color=line_color(color), shrinkA=2, shrinkB=2,
-                                          connectionstyle=f"arc3,rad={rad}"))
+                                          connectionstyle=f"arc3,rad={rad}",
+                                          zorder=5 if over_boxes else 1))
         if not label:
             return
         avoid = [] if avoid is None else avoid

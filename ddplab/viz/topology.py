@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
-from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.patches import Rectangle
 from matplotlib.patheffects import withStroke
 from matplotlib.textpath import TextPath
 
@@ -494,10 +494,8 @@ def show_rendezvous(world_size: int, address: str, *,
             for rank in clients:
                 if rank == 0:  # rank 0's own connection: beside its name, down to its store
                     x, y = spots[0]
-                    ax.add_patch(FancyArrowPatch(
-                        (x - 0.7, y + half(0)[1] - 0.08), (x - 0.7, store[1] + 0.16),
-                        arrowstyle="-|>", mutation_scale=12, lw=1.8, shrinkA=0, shrinkB=1,
-                        color=line_color(rank_color(0)), zorder=5))
+                    canvas.arrow((x - 0.7, y + half(0)[1] - 0.08), (x - 0.7, store[1] + 0.16),
+                                 rank_color(0), over_boxes=True)
                     continue
                 start = _edge(spots[rank], half(rank), store)
                 end = _edge(spots[0], half(0), spots[rank])
