@@ -599,23 +599,6 @@ def test_show_nesting_draws_each_launcher_inside_the_one_that_started_it():
         viz.show_nesting([], workers)
 
 
-def test_show_attempts_lays_attempts_side_by_side_and_refuses_unknown_stretches():
-    first = [(0, [("epoch 1", 8, "saved"), ("SIGTERM", 3, "stopped")]),
-             (1, [("epoch 1", 8, "ran"), ("step 9", 3, "failed")])]
-    second = [(r, [("load", 2, "resumed"), ("epoch 2", 8, "ran")]) for r in (0, 1)]
-    fig = viz.show_attempts([("attempt 1\nCOUNT=0", first), ("attempt 2\nCOUNT=1", second)],
-                            between=["restarted"], checkpoint="checkpoint.pt")
-    shown = texts(fig)
-    assert {"attempt 1", "COUNT=0", "attempt 2", "restarted", "checkpoint.pt", "the agent",
-            "rank 0", "rank 1"} <= set(shown)
-    assert shown.count("epoch 2") == 2
-    assert viz.screen_size(fig)[0] <= 1000
-    crosses = [line for line in fig.axes[0].lines if line.get_marker() == "x"]
-    assert len(crosses) == 1  # the one failure
-    with pytest.raises(ValueError, match="unknown stretch kind"):
-        viz.show_attempts([("a", [(0, [("x", 1, "exploded")])])])
-
-
 def test_rendezvous_draws_an_arrow_per_store_client_and_a_link_per_pair_within_the_page():
     fig = viz.show_rendezvous(4, "127.0.0.1:29500", title="rendezvous")
     arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]

@@ -23,8 +23,7 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
 - time (`timeline`): `show_timeline` (with `Span`), `show_flight`: what each rank did when,
   and the collectives its flight recorder kept; `show_overlap`: computation and
   communication side by side on each rank (DDP's backward and its buckets), every span named;
-  `show_attempts`: an elastic job's attempts, a failure, the restart and the checkpoint
-  that carries it over; `show_ddp_step`: one DDP step on each rank, in order (a schematic,
+  `show_ddp_step`: one DDP step on each rank, in order (a schematic,
   not measured);
 - bars (`bars`): `show_bars`, `show_buckets`: measured quantities, DDP's buckets by bytes;
 - curves (`curves`): `LossCurves`, each rank's training loss and their average, drawn live
@@ -87,7 +86,6 @@ from ddplab.viz.tensors import (
 )
 from ddplab.viz.timeline import (
     Span,
-    show_attempts,
     show_ddp_step,
     show_flight,
     show_overlap,
@@ -107,7 +105,7 @@ from ddplab.viz.topology import (
 __all__ = [
     "CELL", "COMBINED", "EMPTY", "EMPTY_BUFFER", "FONT", "MAX_WIDTH", "PALETTE", "LossCurves",
     "Owner", "Span", "as_grid", "format_value", "idle_share", "line_color", "owner_grid",
-    "png_bytes", "rank_color", "screen_size", "show_agents", "show_attempts", "show_bars",
+    "png_bytes", "rank_color", "screen_size", "show_agents", "show_bars",
     "show_before_after", "show_buckets", "show_cluster", "show_ddp_step", "show_deal",
     "show_digits", "show_dtensor", "show_expert_load",
     "show_flight", "show_group_traffic", "show_inbox", "show_launch", "show_leftover",

@@ -12,15 +12,35 @@ this is (0 the first).
 
 To see it happen, set FAIL_ONCE=1: rank 1 then fails at its first step of epoch 2 in the
 first attempt (after epoch 1's checkpoint was written), and the second attempt finishes.
+With TIMELINE=DIR each rank of each attempt also notes when it started, each step's end,
+each epoch's end and how it ended, one JSON line per event, in
+DIR/attempt<A>-rank<R>.jsonl: what a restart costs, in seconds.
 """
 
-import os
-from pathlib import Path
+import time
 
-from ddplab.train import CHECKPOINT, parse_args, train
+STARTED = time.time()  # before torch is imported: a process's start-up begins here
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from ddplab.train import CHECKPOINT, parse_args, train  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 RANK = int(os.environ.get("RANK", 0))
+TIMELINE = os.environ.get("TIMELINE")
+
+
+def note(event: str, at: float | None = None, **fields) -> None:
+    """One event of this rank's timeline (with TIMELINE set), written at once: a rank that
+    is stopped keeps what it noted before."""
+    if TIMELINE:
+        Path(TIMELINE).mkdir(parents=True, exist_ok=True)
+        with open(Path(TIMELINE) / f"attempt{ATTEMPT}-rank{RANK}.jsonl", "a") as file:
+            file.write(json.dumps({"event": event, "time": at or time.time(), **fields}) + "\n")
 
 
 def fail_once(record: dict) -> None:
@@ -31,6 +51,11 @@ def fail_once(record: dict) -> None:
         raise RuntimeError(f"rank {RANK} fails at step {record['step']} (attempt {ATTEMPT})")
 
 
+def on_log(record: dict) -> None:
+    note(record["kind"], epoch=record["epoch"], step=record["step"])
+    fail_once(record)
+
+
 if __name__ == "__main__":
     cfg = parse_args()
     cfg.log_every = 1  # fail_once sees every step, however short the epochs
@@ -39,7 +64,17 @@ if __name__ == "__main__":
         print(f"attempt {ATTEMPT + 1}: " + ("resuming from the checkpoint" if cfg.resume
                                             else "no checkpoint yet, starting afresh"),
               flush=True)
-    result = train(cfg, on_log=fail_once)
+    note("start", at=STARTED)
+    # The agent stops the ranks still running with SIGTERM, which would end this one
+    # before it could say so: as SystemExit instead, it is noted below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        result = train(cfg, on_log=on_log)
+    except BaseException as error:
+        note("stopped" if isinstance(error, SystemExit) else "failed",
+             error=type(error).__name__)
+        raise
+    note("done")
     if RANK == 0:
         last = result["history"][-1]
         print(f"done after {ATTEMPT} restart{'s' if ATTEMPT != 1 else ''}: epochs "
