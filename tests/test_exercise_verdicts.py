@@ -837,30 +837,71 @@ def _slurm_ntasks(env):
     return 0, 0, 1
 
 
+def _on(node, nproc="4"):
+    """6.1: what must differ on gpu06, where only GPUs 4-7 may be used (and `nproc`
+    processes), for the attempts below that get it right."""
+    return ("CUDA_VISIBLE_DEVICES=4,5,6,7 ", nproc) if node == "gpu06" else ("", "8")
+
+
 def _c10d_one_id_per_node(node):
     """6.1, wrong: c10d with each node's own --rdzv_id: two jobs of one node each."""
-    return ("torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d "
+    env, nproc = _on(node)
+    return (f"{env}torchrun --nnodes=2 --nproc_per_node={nproc} --rdzv_backend=c10d "
             f"--rdzv_endpoint=10.0.0.5:29400 --rdzv_id={node} -m ddplab.train")
 
 
 def _c10d_shared_id(node):
-    """6.1, right too: c10d, one id for the job, the nodes number themselves."""
-    return ("torchrun --nnodes=2 --nproc-per-node=gpu --rdzv-backend=c10d "
+    """6.1, right too: c10d, one id for the job, the nodes number themselves; `gpu` counts
+    the GPUs the processes see."""
+    env, _ = _on(node)
+    return (f"{env}torchrun --nnodes=2 --nproc-per-node=gpu --rdzv-backend=c10d "
             "--rdzv-endpoint=10.0.0.5:29400 --rdzv-id=job42 -m ddplab.train")
 
 
 def _static_elastic_spelling(node):
     """6.1, right too: --nnodes=2:2 is exactly 2 nodes."""
     rank = ["gpu05", "gpu06"].index(node)
-    return (f"torchrun --nnodes=2:2 --nproc_per_node=8 --node_rank={rank} "
+    env, nproc = _on(node)
+    return (f"{env}torchrun --nnodes=2:2 --nproc_per_node={nproc} --node_rank={rank} "
             "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
 
 
 def _module_form_static_endpoint(node):
     """6.1, right too: torchrun by its module's name, the static rendezvous at an endpoint."""
     rank = ["gpu05", "gpu06"].index(node)
-    return (f"python -m torch.distributed.run --nnodes=2 --nproc_per_node=auto "
+    env, _ = _on(node)
+    return (f"{env}python -m torch.distributed.run --nnodes=2 --nproc_per_node=auto "
             f"--node_rank={rank} --rdzv_endpoint=gpu05:29400 -m ddplab.train")
+
+
+def _eight_everywhere(node):
+    """6.1, wrong: 8 processes on each node, as if every GPU could be used."""
+    rank = ["gpu05", "gpu06"].index(node)
+    return (f"torchrun --nnodes=2 --nproc_per_node=8 --node_rank={rank} "
+            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+
+
+def _four_on_the_first_gpus(node):
+    """6.1, wrong: 4 processes on gpu06, which then use GPUs 0-3."""
+    rank = ["gpu05", "gpu06"].index(node)
+    return (f"torchrun --nnodes=2 --nproc_per_node={8 - 4 * rank} --node_rank={rank} "
+            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+
+
+def _visible_as_a_range(node):
+    """6.1, wrong: CUDA_VISIBLE_DEVICES=4-7, which CUDA does not read as a range."""
+    rank = ["gpu05", "gpu06"].index(node)
+    env = "CUDA_VISIBLE_DEVICES=4-7 " if rank else ""
+    return (f"{env}torchrun --nnodes=2 --nproc_per_node={8 - 4 * rank} --node_rank={rank} "
+            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+
+
+def _visible_but_eight(node):
+    """6.1, wrong: GPUs 4-7 visible on gpu06, but still 8 processes there."""
+    rank = ["gpu05", "gpu06"].index(node)
+    env, _ = _on(node)
+    return (f"{env}torchrun --nnodes=2 --nproc_per_node=8 --node_rank={rank} "
+            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
 
 
 def test_exercise_6_1_accepts_c10d_and_the_other_spellings_of_the_job():
@@ -872,14 +913,16 @@ def test_exercise_6_1_accepts_c10d_and_the_other_spellings_of_the_job():
 def _standalone_everywhere(node):
     """6.1, wrong: --standalone makes each node a job of its own."""
     rank = ["gpu05", "gpu06"].index(node)
-    return (f"torchrun --standalone --nnodes=2 --nproc_per_node=8 --node_rank={rank} "
+    env, nproc = _on(node)
+    return (f"{env}torchrun --standalone --nnodes=2 --nproc_per_node={nproc} --node_rank={rank} "
             "-m ddplab.train")
 
 
 def _node_rank_zero(node):
-    """6.1, wrong: the same command, node rank included, on every node."""
-    return ("torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=10.0.0.5 "
-            "--master_port=29400 -m ddplab.train")
+    """6.1, wrong: the same node rank on every node."""
+    env, nproc = _on(node)
+    return (f"{env}torchrun --nnodes=2 --nproc_per_node={nproc} --node_rank=0 "
+            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
 
 
 def _whole_list(nodelist):
@@ -937,7 +980,17 @@ CHAPTER_6 = [
     ("6.1", _standalone_everywhere, "node_command('gpu05') uses --standalone",
      "drop --standalone"),
     ("6.1", _node_rank_zero, "node_command('gpu06') has --node_rank=0, but gpu06 is node "
-     "rank 1", "which one tells the nodes apart"),
+     "rank 1", "which differ"),
+    ("6.1", _eight_everywhere, "node_command('gpu06') starts 8 processes, with LOCAL_RANK 0 to "
+     "7, each on cuda:LOCAL_RANK: GPUs 0, 1, 2, 3, 4, 5, 6, 7, though only GPUs 4-7 of gpu06 "
+     "may be used", "CUDA_VISIBLE_DEVICES"),
+    ("6.1", _four_on_the_first_gpus, "node_command('gpu06') starts 4 processes, with "
+     "LOCAL_RANK 0 to 3, each on cuda:LOCAL_RANK: GPUs 0, 1, 2, 3, though only GPUs 4-7",
+     "numbered from 0 in that order"),
+    ("6.1", _visible_as_a_range, "node_command('gpu06') sets CUDA_VISIBLE_DEVICES=4-7, which is "
+     "not a list CUDA reads", "CUDA_VISIBLE_DEVICES=0,1"),
+    ("6.1", _visible_but_eight, "node_command('gpu06') starts 8 processes, but they see 4 GPUs: "
+     "LOCAL_RANK 4 would ask for cuda:4", "one process per GPU"),
     ("6.3", _whole_list, "master_addr('gpu07,gpu09') returned 'gpu07,gpu09'",
      "commas that are not inside brackets"),
     ("6.3", _before_first_comma, "master_addr('gpu[07-09]') returned 'gpu[07-09]'",

@@ -205,6 +205,18 @@ def run_static(folder: Path, tiny: Path) -> tuple[list[Done], Path]:
 
 
 @background
+def run_unequal(folder: Path, tiny: Path) -> list[Done]:
+    """whoami.py under torchrun as two nodes of unequal sizes (exercise 6.1's job in small):
+    node rank 0 with 2 processes, node rank 1 with 1, the static rendezvous."""
+    port = str(free_port())
+    return run_together([
+        (["torchrun", "--nnodes=2", f"--node_rank={rank}", f"--nproc_per_node={2 - rank}",
+          "--master_addr=127.0.0.1", f"--master_port={port}", "whoami.py"],
+         environment(folder / f"node{rank}"))
+        for rank in (0, 1)], QUICK_TIMEOUT)
+
+
+@background
 def run_fsdp_torchrun(folder: Path, tiny: Path) -> tuple[Done, Path]:
     """torchrun_one_node.sh (2 processes) with --strategy fsdp."""
     out = folder / "out"
@@ -416,6 +428,23 @@ def test_torchrun_node_as_two_nodes_trains_one_job(run_name, runs):
     assert "done: 2 ranks (torchrun)" in node0.stdout  # rank 0 lives on node rank 0
     assert "epoch" not in node1.stdout, node1.stdout  # and reports alone
     assert (out / "checkpoint.pt").is_file()
+
+
+@pytest.mark.parametrize("run_name", ["unequal"])
+def test_nodes_of_unequal_sizes_make_one_world_node_by_node(run_name, runs):
+    """What exercise 6.1's feedback says: torchrun's agents add up the nodes' process
+    counts, and a node's ranks follow those of the nodes before it."""
+    told = {}
+    for node, done in enumerate(runs.result(run_name)):
+        assert done.returncode == 0, done
+        for record in json_lines(done.stdout):
+            told[int(record["variables"]["RANK"])] = (node, record["variables"])
+    assert sorted(told) == [0, 1, 2]
+    assert [told[rank][0] for rank in (0, 1, 2)] == [0, 0, 1]  # node rank 0's two first
+    for rank, (node, variables) in told.items():
+        assert variables["WORLD_SIZE"] == "3", variables
+        assert variables["LOCAL_WORLD_SIZE"] == str(2 - node), variables
+        assert variables["LOCAL_RANK"] == str(rank - 2 * node), variables
 
 
 def test_every_script_is_run_by_a_test_or_a_chapter():

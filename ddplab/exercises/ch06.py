@@ -1,6 +1,6 @@
-"""Chapter 6 exercises: launchers (a node's torchrun command, in 6a; reading any launcher's
-variables, the master from a Slurm node list, a node's torchrun command from mpirun's
-variables, in 6b).
+"""Chapter 6 exercises: launchers (a node's torchrun command in a job of unequal nodes, in
+6a; reading any launcher's variables, the master from a Slurm node list, a node's torchrun
+command from mpirun's variables, in 6b).
 
 No ranks are needed. 6.2 is checked against the environments each launcher gives a
 process (torchrun, `srun`, `mpirun`, and launchers nested inside one another, where the
@@ -122,37 +122,93 @@ def check_launch_vars(launch_vars) -> str:
 
 
 # --- 6.1 one node's torchrun command for a job the chapter does not show ---
-# (the chapter prints the 3 × 4 example's commands; the exercise is a 2 × 8 job)
+# (the chapter prints the 3 x 4 example's commands; the exercise is a job of two unequal
+# nodes, one of them with half its GPUs out of service)
 
 NODES = ("gpu05", "gpu06")
-GPUS_PER_NODE = 8
+GPUS = {"gpu05": (0, 1, 2, 3, 4, 5, 6, 7), "gpu06": (4, 5, 6, 7)}  # the GPUs that may be used
+GPUS_ON_A_NODE = 8
 MASTER = ("10.0.0.5", 29400)
 
 
-def _parse(command: str):
-    """The command as torchrun reads it (its own parser), or NotYet saying why not."""
+def _parse(command: str, *, env_allowed: bool = False):
+    """The command as torchrun reads it (its own parser), or NotYet saying why not; with
+    `env_allowed`, (the NAME=value words before it, as a shell reads them, the arguments)."""
     from torch.distributed.run import get_args_parser
 
     words = shlex.split(command)
+    env = {}
+    while env_allowed and words and "=" in words[0] and words[0].split("=")[0].isidentifier():
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
     if words[:3] in (["python", "-m", "torch.distributed.run"],
                      ["python3", "-m", "torch.distributed.run"]):
         words = ["torchrun", *words[3:]]  # the same program, by its module's name
     if not words or words[0] != "torchrun":
-        raise NotYet(f"{command!r} does not start with torchrun.",
+        raise NotYet(f"{command!r} does not start with torchrun"
+                     f"{' (after its variables)' if env_allowed else ''}.",
                      "start with `torchrun`, then its options, then `-m ddplab.train`.")
     try:
-        return get_args_parser().parse_args(words[1:])
+        args = get_args_parser().parse_args(words[1:])
     except SystemExit:
         raise NotYet(f"torchrun cannot read {command!r} (its argument parser refused it).",
                      "options are spelled --nnodes=3 --node_rank=... --nproc_per_node=4 "
                      "--master_addr=... --master_port=..., before -m ddplab.train.") from None
+    return (env, args) if env_allowed else args
+
+
+def _visible(env: dict, call: str) -> tuple[int, ...] | None:
+    """The GPUs a node's processes may see: CUDA_VISIBLE_DEVICES read as CUDA reads it (a
+    comma-separated list of indices), None when it is not set (all of them)."""
+    if "CUDA_VISIBLE_DEVICES" not in env:
+        return None
+    listed = env["CUDA_VISIBLE_DEVICES"]
+    entries = [entry.strip() for entry in listed.split(",")]
+    expect(all(entry.isdigit() for entry in entries), f"{call} sets CUDA_VISIBLE_DEVICES="
+           f"{listed}, which is not a list CUDA reads: it takes GPU indices separated by "
+           "commas, and stops at the first entry it cannot read.",
+           "write the indices one by one: CUDA_VISIBLE_DEVICES=0,1 for GPUs 0 and 1.")
+    visible = tuple(int(entry) for entry in entries)
+    expect(len(set(visible)) == len(visible), f"{call} lists a GPU twice in "
+           f"CUDA_VISIBLE_DEVICES={listed}.")
+    return visible
+
+
+def _expect_gpus(node: str, env: dict, args, call: str) -> None:
+    """One process per GPU that may be used on `node`, each on cuda:LOCAL_RANK as its
+    process sees the GPUs."""
+    usable = GPUS[node]
+    visible = _visible(env, call)
+    seen = visible if visible is not None else tuple(range(GPUS_ON_A_NODE))
+    wrong = sorted(set(seen) - set(usable)) if visible is not None else []
+    expect(not wrong, f"{call} lets its processes see GPUs {', '.join(map(str, seen))} "
+           f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}); GPU"
+           f"{'s' if len(wrong) > 1 else ''} {', '.join(map(str, wrong))} may not be used.")
+    count = len(seen) if str(args.nproc_per_node) in ("gpu", "auto") else args.nproc_per_node
+    expect(str(count).isdigit(), f"{call} starts --nproc_per_node={args.nproc_per_node}, which "
+           "is no number of processes.")
+    count = int(count)
+    if visible is None and len(usable) < GPUS_ON_A_NODE:
+        used = ", ".join(map(str, range(min(count, GPUS_ON_A_NODE))))
+        raise NotYet(f"{call} starts {count} processes, with LOCAL_RANK 0 to {count - 1}, each "
+                     f"on cuda:LOCAL_RANK: GPUs {used}, though only GPUs "
+                     f"{usable[0]}-{usable[-1]} of {node} may be used.",
+                     "a process sees the GPUs CUDA_VISIBLE_DEVICES lists, numbered from 0 in "
+                     "that order: set it in front of torchrun on that node.")
+    expect(count == len(seen), f"{call} starts {count} processes, but they see {len(seen)} "
+           f"GPU{'s' if len(seen) > 1 else ''}"
+           + (f": LOCAL_RANK {len(seen)} would ask for cuda:{len(seen)}, which they do not "
+              "have." if count > len(seen) else f": {len(seen) - count} would stay idle."),
+           "one process per GPU the processes see.")
+    expect(len(seen) == len(usable), f"{call} uses {len(seen)} of {node}'s GPUs; "
+           f"{len(usable)} may be used, one process each.")
 
 
 @exercise("6.1", "The command for each node", solution="node_command",
           hint="the nodes must form one job: which options must be the same on every "
-               "node (how many nodes, how many processes on each, where to meet), and which "
-               "one tells the nodes apart? The chapter's 3 × 4 commands are a model, not "
-               "the answer.")
+               "node (how many nodes, where to meet), and which differ (which node it is, "
+               "how many processes it starts)? And which GPUs does a process with "
+               "LOCAL_RANK 0 use?")
 def check_node_command(node_command) -> str:
     seen = []
     for node_rank, node in enumerate(NODES):
@@ -161,14 +217,12 @@ def check_node_command(node_command) -> str:
                f"node_command({node!r}) returned {command!r}; it should return the command "
                "as a string.", "" if command is None else "return the command line as one "
                                                           "string.")
-        args = _parse(command)
+        env, args = _parse(command, env_allowed=True)
         call = f"node_command({node!r})"
         expect(not args.standalone, f"{call} uses --standalone, which makes every node a job "
                "of its own.", "drop --standalone: the nodes must meet at the master.")
         _expect_nodes(args, call, len(NODES))
-        expect(str(args.nproc_per_node) in (str(GPUS_PER_NODE), "gpu", "auto"),
-               f"{call} starts --nproc_per_node={args.nproc_per_node}; each node has "
-               f"{GPUS_PER_NODE} GPUs, one process each.")
+        _expect_gpus(node, env, args, call)
         where = f"{MASTER[0]}:{MASTER[1]}"
         meets = _meeting_place(args)
         expect(meets in (where, f"{NODES[0]}:{MASTER[1]}"), f"{call} meets at {meets}; the "
@@ -182,16 +236,23 @@ def check_node_command(node_command) -> str:
                f"{' as a module' if args.module else ''}; it should run -m ddplab.train.")
         seen.append((node, args))
     _expect_one_rendezvous([args for _, args in seen], "node_command(...)")
+    world = sum(len(GPUS[node]) for node in NODES)
+    sizes = (f"torchrun's agents add up the nodes' process counts (WORLD_SIZE={world}, "
+             f"LOCAL_WORLD_SIZE {len(GPUS[NODES[0]])} on {NODES[0]} and "
+             f"{len(GPUS[NODES[1]])} on {NODES[1]})")
     if seen[0][1].rdzv_backend == "c10d":
-        return (f"torchrun reads the {len(NODES)} commands as one c10d job of "
-                f"{len(NODES) * GPUS_PER_NODE} processes; which node becomes node rank 0 is "
-                "the rendezvous's choice, so a script must not guess it from its host name. "
-                "On a real cluster, give each node's torchrun --local-addr too: the workers "
-                "meet at node rank 0's socket.getfqdn() otherwise (the trap of c10d above).")
-    ranks = "; ".join(f"{node}: ranks {n * GPUS_PER_NODE}-{(n + 1) * GPUS_PER_NODE - 1}"
-                      for n, (node, _) in enumerate(seen))
-    return (f"torchrun reads the {len(NODES)} commands as one job of "
-            f"{len(NODES) * GPUS_PER_NODE} processes: {ranks}.")
+        return (f"torchrun reads the {len(NODES)} commands as one c10d job of {world} "
+                f"processes on nodes of unequal sizes: {sizes}. Which node becomes node rank 0 "
+                "is the rendezvous's choice, so a script must not guess its rank from its host "
+                "name. On a real cluster, give each node's torchrun --local-addr too: the "
+                "workers meet at node rank 0's socket.getfqdn() otherwise (the trap of c10d "
+                "above).")
+    first = len(GPUS[NODES[0]])
+    return (f"torchrun reads the {len(NODES)} commands as one job of {world} processes on "
+            f"nodes of unequal sizes: {sizes}, and give a node the ranks after those of the "
+            f"nodes before it: {NODES[0]} ranks 0-{first - 1}, {NODES[1]} ranks "
+            f"{first}-{world - 1}, whose cuda:0-{len(GPUS[NODES[1]]) - 1} are GPUs "
+            f"{GPUS[NODES[1]][0]}-{GPUS[NODES[1]][-1]}.")
 
 
 def _meeting_place(args) -> str:

@@ -22,9 +22,13 @@ def launch_vars(env):
 
 
 def node_command(node):
-    """Exercise 6.1: the torchrun command to type on `node` (gpu05 is the master)."""
+    """Exercise 6.1: the torchrun command to type on `node` (gpu05 is the master; on gpu06
+    only GPUs 4-7 may be used)."""
     node_rank = ["gpu05", "gpu06"].index(node)
-    return ("torchrun --nnodes=2 --nproc_per_node=8 "
+    # On gpu06 the processes see GPUs 4-7 only, as their cuda:0-3: LOCAL_RANK 0 is GPU 4.
+    visible = "CUDA_VISIBLE_DEVICES=4,5,6,7 " if node == "gpu06" else ""
+    processes = 4 if node == "gpu06" else 8
+    return (f"{visible}torchrun --nnodes=2 --nproc_per_node={processes} "
             f"--node_rank={node_rank} "
             "--master_addr=10.0.0.5 --master_port=29400 "
             "-m ddplab.train")
