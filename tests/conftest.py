@@ -140,34 +140,31 @@ NEEDS_LAUNCHERS = {"06b_launchers_clusters.ipynb"}
 """Chapters that start a real Slurm cluster and mpirun."""
 
 FILE_SECONDS = {
-    "test_exercise_ddp_script.py": 201, "06a_launchers_torchrun.ipynb": 195,
-    "06b_launchers_clusters.ipynb": 128, "05_ddp_mnist.ipynb": 115,
-    "test_exercise_verdicts.py": 125, "test_pool.py": 80,
-    "07a_debugging_collectives.ipynb": 72, "test_train.py": 58, "test_exercises.py": 55,
-    "test_launchers.py": 44, "01_processes_and_ranks.ipynb": 41, "test_doctor.py": 31,
-    "test_browser.py": 25, "test_kernel.py": 24, "09b_fsdp.ipynb": 22,
-    "test_widgets.py": 22, "07b_debugging_ddp.ipynb": 20,
-    "08a_under_the_hood_ring.ipynb": 20, "08b_under_the_hood_ddp.ipynb": 18,
-    "09a_sharding_by_hand.ipynb": 17, "04b_collectives_in_practice.ipynb": 16,
-    "10b_pipeline_parallel.ipynb": 15, "10c_context_experts_2d.ipynb": 14,
-    "10a_tensor_parallel.ipynb": 14, "03_point_to_point.ipynb": 13,
-    "02_init_methods_and_backends.ipynb": 20, "test_project.py": 12, "test_bench.py": 10,
-    "04a_collectives.ipynb": 10, "test_sharding.py": 10, "10d_planning.ipynb": 9,
-    "test_planner_cpu.py": 8, "00_welcome.ipynb": 8, "test_faults.py": 6, "test_ep.py": 6,
-    "test_viz.py": 4, "test_tp.py": 4, "test_viz_memory.py": 4, "test_pp.py": 4,
-    "test_data.py": 2, "test_tracebacks.py": 2, "test_planner.py": 2,
-    "test_classroom.py": 2, "test_viz_placements.py": 1, "test_costmodel.py": 1,
-    "test_ring.py": 1, "test_viz_routing.py": 1,
+    "test_exercise_ddp_script.py": 161, "06a_launchers_torchrun.ipynb": 118,
+    "test_exercise_verdicts.py": 64, "07a_debugging_collectives.ipynb": 61,
+    "06b_launchers_clusters.ipynb": 48, "test_exercises.py": 45, "05_ddp_mnist.ipynb": 39,
+    "test_pool.py": 37, "test_launchers.py": 34, "01_processes_and_ranks.ipynb": 28,
+    "test_train.py": 25, "10d_planning.ipynb": 25, "09b_fsdp.ipynb": 21, "test_kernel.py": 20,
+    "02_init_methods_and_backends.ipynb": 19, "test_browser.py": 16,
+    "08b_under_the_hood_ddp.ipynb": 16, "test_doctor.py": 15, "10b_pipeline_parallel.ipynb": 15,
+    "09a_sharding_by_hand.ipynb": 13, "07b_debugging_ddp.ipynb": 13,
+    "03_point_to_point.ipynb": 11, "08a_under_the_hood_ring.ipynb": 11, "test_calibrate.py": 11,
+    "test_kernels.py": 11, "test_bench.py": 10, "04b_collectives_in_practice.ipynb": 10,
+    "test_faults.py": 10, "10c_context_experts_2d.ipynb": 9, "test_project.py": 9,
+    "10a_tensor_parallel.ipynb": 8, "test_planner.py": 8, "test_planner_cpu.py": 8,
+    "test_sharding.py": 7, "00_welcome.ipynb": 5, "04a_collectives.ipynb": 5,
+    "test_widgets.py": 5, "test_launch.py": 4, "test_viz.py": 4, "test_pp.py": 3,
+    "test_ep.py": 3, "test_tp.py": 3, "test_tracebacks.py": 2, "test_classroom.py": 2,
+    "test_data.py": 1, "test_viz_memory.py": 1, "test_viz_placements.py": 1,
+    "test_costmodel.py": 1, "test_ring.py": 1, "test_viz_routing.py": 1,
 }
 """Each file's test time, in seconds: pass 1 of a clean-clone `.ci/run` (the whole suite,
-`--durations=0`, beside pass 2 on the same two cores, 2026-11-27; chapters 2, 6a and 7a
-and the exercise files raised by what they gained on 2026-12-06); only their order
-matters. pytest-xdist (`--dist loadfile`) hands each worker a whole file at a time, in the
-order they are collected; started longest first, the long files cannot end up running
-alone at the end while the other worker idles (this cut the suite's wall time by a
-tenth; in the run these figures come from, 1,451 s of test time took 738 s on two
-workers). A file not listed is placed as one of DEFAULT_SECONDS if it is a notebook (a
-new chapter: add it with its time), last otherwise."""
+`--durations=0`, on two otherwise idle cores, 2026-12-06); only their order matters.
+pytest-xdist (`--dist loadfile`) hands each worker a whole file at a time, in the order
+they are collected; started longest first, the long files cannot end up running alone at
+the end while the other worker idles (this cut the suite's wall time by a tenth when it
+was introduced). A file not listed is placed as one of DEFAULT_SECONDS if it is a
+notebook (a new chapter: add it with its time), last otherwise."""
 DEFAULT_SECONDS = 30
 
 
