@@ -874,6 +874,13 @@ def _module_form_static_endpoint(node):
             f"--node_rank={rank} --rdzv_endpoint=gpu05:29400 -m ddplab.train")
 
 
+def _c10d_at_the_master(node):
+    """6.1, wrong: c10d with --master_addr/--master_port, which only static reads."""
+    env, nproc = _on(node)
+    return (f"{env}torchrun --nnodes=2 --nproc_per_node={nproc} --rdzv_backend=c10d "
+            "--master_addr=10.0.0.5 --master_port=29400 --rdzv_id=job42 -m ddplab.train")
+
+
 def _eight_everywhere(node):
     """6.1, wrong: 8 processes on each node, as if every GPU could be used."""
     rank = ["gpu05", "gpu06"].index(node)
@@ -981,6 +988,8 @@ CHAPTER_6 = [
      "drop --standalone"),
     ("6.1", _node_rank_zero, "node_command('gpu06') has --node_rank=0, but gpu06 is node "
      "rank 1", "which differ"),
+    ("6.1", _c10d_at_the_master, "node_command('gpu05') meets at each node's own localhost (no "
+     "--rdzv_endpoint: under c10d torchrun ignores --master_addr and --master_port)", ""),
     ("6.1", _eight_everywhere, "node_command('gpu06') starts 8 processes, with LOCAL_RANK 0 to "
      "7, each on cuda:LOCAL_RANK: GPUs 0, 1, 2, 3, 4, 5, 6, 7, though only GPUs 4-7 of gpu06 "
      "may be used", "CUDA_VISIBLE_DEVICES"),

@@ -294,6 +294,17 @@ def test_show_timeline_splits_a_rank_into_lanes_and_counts_milliseconds():
     assert {"0 ms", "10 ms", "20 ms", "30 ms"} <= set(texts)
 
 
+def test_show_timeline_groups_lanes_first_and_marks_a_ranks_first_lane():
+    spans = [viz.Span(rank, start, start + 2, "start-up", lane=f"attempt {attempt}")
+             for attempt, start in ((1, 0.0), (2, 3.0)) for rank in (0, 1)]
+    fig = viz.show_timeline(spans, [(1, 2.0, "failed")], lanes_first=True)
+    rows = {t.get_text(): t.get_position()[1] for t in fig.axes[0].texts}
+    order = sorted((name for name in rows if name.startswith("rank ")), key=lambda n: -rows[n])
+    assert order == ["rank 0 · attempt 1", "rank 1 · attempt 1", "rank 0 · attempt 2",
+                     "rank 1 · attempt 2"]
+    assert rows["failed"] == rows["rank 1 · attempt 1"]  # the mark, in rank 1's first lane
+
+
 def test_show_buckets_draws_each_bucket_to_scale_with_its_size():
     layouts = [("iteration 1", [[("b", 40), ("w", 4_000_000)]]),
                ("iteration 2", [[("b", 40)], [("w", 4_000_000)]])]

@@ -256,10 +256,16 @@ def check_node_command(node_command) -> str:
 
 
 def _meeting_place(args) -> str:
-    """Where torchrun's nodes meet, as torchrun reads the command: --rdzv_endpoint when given
-    (static or c10d), else --master_addr:--master_port (torchrun's own rule, in run.py)."""
+    """Where torchrun's nodes meet, as torchrun reads the command (`get_rdzv_endpoint` in
+    run.py): --rdzv_endpoint when given; else, for the static rendezvous only,
+    --master_addr:--master_port. Under c10d --master_addr and --master_port are ignored
+    (torchrun warns "master_addr is only used for static rdzv_backend"), and an empty
+    endpoint means each node's own localhost."""
     if args.rdzv_endpoint:
         return args.rdzv_endpoint
+    if args.rdzv_backend != "static":
+        return ("each node's own localhost (no --rdzv_endpoint: under c10d torchrun ignores "
+                "--master_addr and --master_port)")
     if args.master_port is None:  # torchrun's main() then takes 29500 (run.py)
         return f"{args.master_addr}:29500 (no --master_port: torchrun's default)"
     return f"{args.master_addr}:{args.master_port}"

@@ -69,14 +69,17 @@ def time_axis(ax, x, t0: float, t1: float, left: float, axis: float, base: float
 
 
 def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]] = (), *,
-                  title: str | None = None) -> Figure:
+                  title: str | None = None, lanes_first: bool = False) -> Figure:
     """What each rank did, and when: one lane per rank (or per rank and `Span.lane`), time
     from left to right.
 
     Working spans are solid in the rank's colour, waiting spans (inside a collective that
     others have not joined) hatched; `marks` are (rank, time, text) events such as an
-    error, drawn as a red cross with the text beside it. Times are shifted so the first
-    span starts at 0; the axis counts seconds, or milliseconds for a timeline under 5 s.
+    error, drawn as a red cross with the text beside it, in the rank's first lane. Times
+    are shifted so the first span starts at 0; the axis counts seconds, or milliseconds for
+    a timeline under 5 s. The lanes go rank by rank; `lanes_first` groups them by
+    `Span.lane` instead (each lane's ranks together: an elastic job's attempts one under
+    the other).
     """
     if not spans:
         raise ValueError("no spans to draw")
@@ -84,8 +87,11 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
     t1 = max([s.end for s in spans] + [t for _, t, _ in marks])
     # Lanes by rank, and within a rank in the order their first span comes in `spans`.
     seen = list(dict.fromkeys((s.rank, s.lane) for s in spans))
+    names = list(dict.fromkeys(lane for _, lane in seen))
     lanes = sorted(seen + [(r, "") for r, _, _ in marks if not any(s.rank == r for s in spans)],
-                   key=lambda key: (key[0], seen.index(key) if key in seen else 0))
+                   key=lambda key: ((names.index(key[1]) if key[1] in names else 0, key[0])
+                                    if lanes_first else
+                                    (key[0], seen.index(key) if key in seen else 0)))
     named = any(lane for _, lane in lanes)
     lane, left, right = 0.55, 0.9 + (1.0 if named else 0), 1.9  # right: room for marks' text
     axis = MAX_WIDTH - left - right  # the time axis takes what the page leaves

@@ -18,7 +18,8 @@ set -euo pipefail
 
 if [[ $RDZV == static ]]; then
     # torchrun itself does not check this: a node rank outside 0..NNODES-1 waits for a
-    # rendezvous that can never complete, for 10 minutes, before it fails.
+    # rendezvous that can never complete, for 15 minutes (torchrun's 900-s rendezvous
+    # timeout), before it fails.
     if ! [[ ${NODE_RANK:-} =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then
         echo "torchrun_node.sh: NODE_RANK=${NODE_RANK:-(unset)} is not a node rank of" \
              "NNODES=$NNODES nodes: number the nodes 0 to $((NNODES - 1)), the master" \
