@@ -881,6 +881,15 @@ def _c10d_at_the_master(node):
             "--master_addr=10.0.0.5 --master_port=29400 --rdzv_id=job42 -m ddplab.train")
 
 
+def _exported(node):
+    """6.1, refused: the variable exported first, a shell's two commands."""
+    env, nproc = _on(node)
+    export = f"export {env.strip()}; " if env else ""
+    rank = ["gpu05", "gpu06"].index(node)
+    return (f"{export}torchrun --nnodes=2 --nproc_per_node={nproc} --node_rank={rank} "
+            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+
+
 def _eight_everywhere(node):
     """6.1, wrong: 8 processes on each node, as if every GPU could be used."""
     rank = ["gpu05", "gpu06"].index(node)
@@ -990,6 +999,7 @@ CHAPTER_6 = [
      "rank 1", "which differ"),
     ("6.1", _c10d_at_the_master, "node_command('gpu05') meets at each node's own localhost (no "
      "--rdzv_endpoint: under c10d torchrun ignores --master_addr and --master_port)", ""),
+    ("6.1", _exported, "'export CUDA_VISIBLE_DEVICES=4,5,6,7; torchrun", "on the same line"),
     ("6.1", _eight_everywhere, "node_command('gpu06') starts 8 processes, with LOCAL_RANK 0 to "
      "7, each on cuda:LOCAL_RANK: GPUs 0, 1, 2, 3, 4, 5, 6, 7, though only GPUs 4-7 of gpu06 "
      "may be used", "CUDA_VISIBLE_DEVICES"),

@@ -137,6 +137,11 @@ def _parse(command: str, *, env_allowed: bool = False):
     from torch.distributed.run import get_args_parser
 
     words = shlex.split(command)
+    if env_allowed and words[:1] == ["export"]:
+        raise NotYet(f"{command!r} is two shell commands: an export, then torchrun. It works in "
+                     "a shell, but the check reads one command.",
+                     "set the variable in front of torchrun, on the same line: NAME=value "
+                     "torchrun ... (it reaches torchrun and every process it starts).")
     env = {}
     while env_allowed and words and "=" in words[0] and words[0].split("=")[0].isidentifier():
         name, value = words.pop(0).split("=", 1)
