@@ -585,6 +585,12 @@ def test_show_agents_puts_an_agent_over_each_nodes_workers_and_the_store_on_one_
     assert viz.screen_size(fig)[0] <= 1000  # 3 nodes x 4 workers fit the page
     alone = texts(viz.show_agents(nodes, store="the store", others_connect=False))
     assert alone.count("hosts") == 1 and alone.count("connects") == 0  # c10d: workers only
+    both = viz.show_agents(nodes[:2], store="the workers' store", store_node=1,
+                           others_connect=False, rendezvous="the rendezvous")
+    assert {"the workers' store", "the rendezvous"} <= set(texts(both))
+    dashed = [a for a in both.axes[0].texts if getattr(a, "arrow_patch", None) is not None
+              and a.arrow_patch.get_linestyle() != "-"]
+    assert len(dashed) == 2  # every agent joins the rendezvous
     with pytest.raises(ValueError, match="store_node 3"):
         viz.show_agents(nodes, store="s", store_node=3)
     with pytest.raises(ValueError, match="at least one worker"):

@@ -264,8 +264,8 @@ def _arrow(ax, start: tuple[float, float], end: tuple[float, float], *,
 
 def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Sequence[str]]]]],
                 *, store: str, store_node: int = 0, others_connect: bool = True,
-                highlight: Sequence[str] = (), note: str | None = None,
-                title: str | None = None) -> Figure:
+                rendezvous: str | None = None, highlight: Sequence[str] = (),
+                note: str | None = None, title: str | None = None) -> Figure:
     """torchrun on every node: its agent, the workers the agent started, and the store.
 
     `nodes` is a list of (label, agent lines, workers), each worker a (rank, lines) pair as
@@ -273,8 +273,10 @@ def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Se
     starts the node's workers and watches them (arrows down); the agent of node
     `store_node` hosts the store the job meets at (`store`, its text), the others connect
     to it (dashed) unless `others_connect` is False: under c10d the agents meet at the
-    rendezvous, and the store node rank 0's agent opens is for the workers alone. Lines
-    that set a variable named in `highlight` are drawn as the trap.
+    rendezvous, and the store node rank 0's agent opens is for the workers alone.
+    `rendezvous`, when given, is that meeting place (c10d's `--rdzv_endpoint` store, its
+    text): a second box, on the side away from `store_node`, which every agent joins
+    (dashed). Lines that set a variable named in `highlight` are drawn as the trap.
     """
     if not nodes or any(not workers for *_, workers in nodes):
         raise ValueError("need at least one node, each with at least one worker")
@@ -290,8 +292,10 @@ def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Se
     worker_h = max(len(lines) for *_, workers in nodes for _, lines in workers) * line_h + 0.14
     node_h = pad + agent_h + link + worker_h + pad + 0.3  # 0.3: the node's name, at the bottom
     store_w, store_h = _text_w([store]) + 0.3, 0.36
+    rdzv_w = _text_w([rendezvous]) + 0.3 if rendezvous else 0.0
+    boxes_w = store_w + (rdzv_w + 0.4 if rendezvous else 0.0)
     title_h, note_h = (0.45 if title else 0.1), (0.35 if note else 0.08)
-    width = max(2 * margin + sum(node_ws) + gap * (len(nodes) - 1), store_w + 2 * margin,
+    width = max(2 * margin + sum(node_ws) + gap * (len(nodes) - 1), boxes_w + 2 * margin,
                 title_width(title), _text_w(["", note or ""]) + 2 * margin)
     height = title_h + store_h + rise + node_h + note_h
     canvas = Canvas(width, height, CELL, title)
@@ -320,8 +324,20 @@ def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Se
         tops.append((nx + node_w / 2, ay + agent_h))
         nx += node_w + gap
     hx = tops[store_node][0]
-    sx = min(max(hx - store_w / 2, margin), width - margin - store_w)
     sy = node_top + rise
+    if rendezvous:  # the two boxes at the page's two sides, the workers' store on its host's
+        left = store_node < len(nodes) / 2 if len(nodes) > 1 else True
+        sx = margin if left else width - margin - store_w
+        rx = width - margin - rdzv_w if left else margin
+        ax.add_patch(Rectangle((rx, sy), rdzv_w, store_h, fc="white", ec="#222222", lw=1.8,
+                               ls=(0, (4, 2))))
+        ax.text(rx + rdzv_w / 2, sy + store_h / 2, rendezvous, ha="center", va="center",
+                fontsize=FONT, fontweight="bold", color="#222222")
+        for cx, top in tops:
+            end = (min(max(cx, rx + 0.3), rx + rdzv_w - 0.3), sy)
+            _arrow(ax, (cx + (0.15 if left else -0.15), top), end, dashed=True)
+    else:
+        sx = min(max(hx - store_w / 2, margin), width - margin - store_w)
     ax.add_patch(Rectangle((sx, sy), store_w, store_h, fc="white", ec="#222222", lw=1.8))
     ax.text(sx + store_w / 2, sy + store_h / 2, store, ha="center", va="center",
             fontsize=FONT, fontweight="bold", color="#222222")
