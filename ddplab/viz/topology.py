@@ -273,10 +273,9 @@ def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Se
     starts the node's workers and watches them (arrows down); the agent of node
     `store_node` hosts the store the job meets at (`store`, its text), the others connect
     to it (dashed) unless `others_connect` is False: under c10d the agents meet at the
-    rendezvous, and the store node rank 0's agent opens is for the workers alone.
-    `rendezvous`, when given, is that meeting place (c10d's `--rdzv_endpoint` store, its
-    text): a second box, on the side away from `store_node`, which every agent joins
-    (dashed). Lines that set a variable named in `highlight` are drawn as the trap.
+    rendezvous, and the store node rank 0's agent opens is for the workers alone; then
+    `rendezvous` (its text) draws that meeting place, a dashed box every agent joins. Lines
+    that set a variable named in `highlight` are drawn as the trap.
     """
     if not nodes or any(not workers for *_, workers in nodes):
         raise ValueError("need at least one node, each with at least one worker")
@@ -292,10 +291,9 @@ def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Se
     worker_h = max(len(lines) for *_, workers in nodes for _, lines in workers) * line_h + 0.14
     node_h = pad + agent_h + link + worker_h + pad + 0.3  # 0.3: the node's name, at the bottom
     store_w, store_h = _text_w([store]) + 0.3, 0.36
-    rdzv_w = _text_w([rendezvous]) + 0.3 if rendezvous else 0.0
-    boxes_w = store_w + (rdzv_w + 0.4 if rendezvous else 0.0)
+    rdzv_w = _text_w([rendezvous]) + 0.7 if rendezvous else 0.0  # 0.4 of it: between the two
     title_h, note_h = (0.45 if title else 0.1), (0.35 if note else 0.08)
-    width = max(2 * margin + sum(node_ws) + gap * (len(nodes) - 1), boxes_w + 2 * margin,
+    width = max(2 * margin + sum(node_ws) + gap * (len(nodes) - 1), store_w + rdzv_w + 2 * margin,
                 title_width(title), _text_w(["", note or ""]) + 2 * margin)
     height = title_h + store_h + rise + node_h + note_h
     canvas = Canvas(width, height, CELL, title)
@@ -326,11 +324,9 @@ def show_agents(nodes: Sequence[tuple[str, Sequence[str], Sequence[tuple[int, Se
     hx = tops[store_node][0]
     sy = node_top + rise
     if rendezvous:  # the two boxes at the page's two sides, the workers' store on its host's
-        left = store_node < len(nodes) / 2 if len(nodes) > 1 else True
-        sx = margin if left else width - margin - store_w
-        rx = width - margin - rdzv_w if left else margin
-        ax.add_patch(Rectangle((rx, sy), rdzv_w, store_h, fc="white", ec="#222222", lw=1.8,
-                               ls=(0, (4, 2))))
+        left, rdzv_w = store_node < len(nodes) / 2, rdzv_w - 0.4
+        sx, rx = (margin, width - margin - rdzv_w) if left else (width - margin - store_w, margin)
+        ax.add_patch(Rectangle((rx, sy), rdzv_w, store_h, fc="w", ec="#222222", lw=1.8, ls="--"))
         ax.text(rx + rdzv_w / 2, sy + store_h / 2, rendezvous, ha="center", va="center",
                 fontsize=FONT, fontweight="bold", color="#222222")
         for cx, top in tops:
