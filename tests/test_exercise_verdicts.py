@@ -843,6 +843,14 @@ def _on(node, nproc="4"):
     return ("CUDA_VISIBLE_DEVICES=4,5,6,7 ", nproc) if node == "gpu06" else ("", "8")
 
 
+def _static(node, nproc, env="", nnodes="2", rank=None):
+    """6.1: `node`'s command under the static rendezvous at the master, its node rank its
+    place in the job unless `rank` is given."""
+    rank = ["gpu05", "gpu06"].index(node) if rank is None else rank
+    return (f"{env}torchrun --nnodes={nnodes} --nproc_per_node={nproc} --node_rank={rank} "
+            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+
+
 def _c10d_one_id_per_node(node):
     """6.1, wrong: c10d with each node's own --rdzv_id: two jobs of one node each."""
     env, nproc = _on(node)
@@ -860,10 +868,8 @@ def _c10d_shared_id(node):
 
 def _static_elastic_spelling(node):
     """6.1, right too: --nnodes=2:2 is exactly 2 nodes."""
-    rank = ["gpu05", "gpu06"].index(node)
     env, nproc = _on(node)
-    return (f"{env}torchrun --nnodes=2:2 --nproc_per_node={nproc} --node_rank={rank} "
-            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+    return _static(node, nproc, env, nnodes="2:2")
 
 
 def _module_form_static_endpoint(node):
@@ -884,40 +890,27 @@ def _c10d_at_the_master(node):
 def _exported(node):
     """6.1, refused: the variable exported first, a shell's two commands."""
     env, nproc = _on(node)
-    export = f"export {env.strip()}; " if env else ""
-    rank = ["gpu05", "gpu06"].index(node)
-    return (f"{export}torchrun --nnodes=2 --nproc_per_node={nproc} --node_rank={rank} "
-            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+    return _static(node, nproc, f"export {env.strip()}; " if env else "")
 
 
 def _eight_everywhere(node):
     """6.1, wrong: 8 processes on each node, as if every GPU could be used."""
-    rank = ["gpu05", "gpu06"].index(node)
-    return (f"torchrun --nnodes=2 --nproc_per_node=8 --node_rank={rank} "
-            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+    return _static(node, 8)
 
 
 def _four_on_the_first_gpus(node):
     """6.1, wrong: 4 processes on gpu06, which then use GPUs 0-3."""
-    rank = ["gpu05", "gpu06"].index(node)
-    return (f"torchrun --nnodes=2 --nproc_per_node={8 - 4 * rank} --node_rank={rank} "
-            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+    return _static(node, _on(node)[1])
 
 
 def _visible_as_a_range(node):
     """6.1, wrong: CUDA_VISIBLE_DEVICES=4-7, which CUDA does not read as a range."""
-    rank = ["gpu05", "gpu06"].index(node)
-    env = "CUDA_VISIBLE_DEVICES=4-7 " if rank else ""
-    return (f"{env}torchrun --nnodes=2 --nproc_per_node={8 - 4 * rank} --node_rank={rank} "
-            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+    return _static(node, _on(node)[1], "CUDA_VISIBLE_DEVICES=4-7 " if node == "gpu06" else "")
 
 
 def _visible_but_eight(node):
     """6.1, wrong: GPUs 4-7 visible on gpu06, but still 8 processes there."""
-    rank = ["gpu05", "gpu06"].index(node)
-    env, _ = _on(node)
-    return (f"{env}torchrun --nnodes=2 --nproc_per_node=8 --node_rank={rank} "
-            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+    return _static(node, 8, _on(node)[0])
 
 
 def test_exercise_6_1_accepts_c10d_and_the_other_spellings_of_the_job():
@@ -937,8 +930,7 @@ def _standalone_everywhere(node):
 def _node_rank_zero(node):
     """6.1, wrong: the same node rank on every node."""
     env, nproc = _on(node)
-    return (f"{env}torchrun --nnodes=2 --nproc_per_node={nproc} --node_rank=0 "
-            "--master_addr=10.0.0.5 --master_port=29400 -m ddplab.train")
+    return _static(node, nproc, env, rank=0)
 
 
 def _whole_list(nodelist):

@@ -38,7 +38,6 @@ def note(event: str, at: float | None = None, **fields) -> None:
     """One event of this rank's timeline (with TIMELINE set), written at once: a rank that
     is stopped keeps what it noted before."""
     if TIMELINE:
-        Path(TIMELINE).mkdir(parents=True, exist_ok=True)
         with open(Path(TIMELINE) / f"attempt{ATTEMPT}-rank{RANK}.jsonl", "a") as file:
             file.write(json.dumps({"event": event, "time": at or time.time(), **fields}) + "\n")
 
@@ -64,6 +63,8 @@ if __name__ == "__main__":
         print(f"attempt {ATTEMPT + 1}: " + ("resuming from the checkpoint" if cfg.resume
                                             else "no checkpoint yet, starting afresh"),
               flush=True)
+    if TIMELINE:
+        Path(TIMELINE).mkdir(parents=True, exist_ok=True)  # once, not at every step
     note("start", at=STARTED)
     # The agent stops the ranks still running with SIGTERM, which would end this one
     # before it could say so: as SystemExit instead, it is noted below.
