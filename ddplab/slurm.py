@@ -2,7 +2,8 @@
 
     with LocalSlurm() as cluster:                 # slurmctld + slurmd, idle in seconds
         cluster.run(["srun", "--ntasks=2", "python", "-m", "ddplab.train"])
-        job = cluster.sbatch("train.sbatch")      # submitted, waited for, output read back
+        text = cluster.sbatch("train.sbatch")     # submitted, waited for, output read back
+        job = cluster.submit("train.sbatch")      # queued; cluster.wait(job) later
 
 Real clusters are many nodes, each running `slurmd`, and one controller (`slurmctld`);
 here both daemons run on this machine, as children of this process, with a `slurm.conf`
@@ -32,6 +33,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -46,6 +48,23 @@ CLIENT_TIMEOUT = 10.0  # seconds for sinfo, squeue, scancel: the controller answ
 PARTITION = "debug"
 NEVER = ("PartitionConfig", "PartitionNodeLimit", "BadConstraints", "ReqNodeNotAvail")
 """Reasons a pending job gives when this cluster can never run it (it asks for too much)."""
+
+
+WAITING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING",
+           "SUSPENDED")
+"""States of a job that has not ended yet (a requeued one passes through PENDING again)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A submitted batch job: its id, and the file its output goes to."""
+
+    id: str
+    output: Path
+    script: str
+
+    def __str__(self) -> str:
+        return self.id
 
 
 class SlurmError(RuntimeError):
@@ -113,6 +132,11 @@ def _config(directory: Path, host: str, ports: tuple[int, int], cpus: int) -> st
         "MpiDefault=none",
         "ReturnToService=2",
         "SchedulerType=sched/builtin",
+        # A requeued job may start again only cred_expire + 1 s after it was requeued
+        # (default 120 s: man slurm.conf), and then waits for the main scheduling loop
+        # (default every 60 s): chapter 6b's requeue would take minutes.
+        "AuthInfo=cred_expire=5",
+        "SchedulerParameters=sched_interval=1",
         "SelectType=select/cons_tres",
         "KillOnBadExit=1",  # one task failing ends the step, as torchrun would
         # A laptop has few cores; the node offers at least 4 CPUs so that 4-task examples
@@ -239,52 +263,69 @@ class LocalSlurm:
                              f"{result.stdout}{result.stderr}")
         return result
 
-    def sbatch(self, script: str | os.PathLike, *options: str, args: Sequence[str] = (),
-               cwd: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-               timeout: float = 300) -> str:
-        """Submit a batch script (with `args`), wait until the job ends, return what it printed.
+    def submit(self, script: str | os.PathLike, *options: str, args: Sequence[str] = (),
+               cwd: str | os.PathLike | None = None,
+               env: Mapping[str, str] | None = None) -> Job:
+        """Queue a batch script (with `args`) and return at once: the job's id and the file
+        its output goes to (Slurm writes it from the compute node: on a real cluster, a
+        shared filesystem).
 
         The job runs with `env` (default: this process's environment), as sbatch passes
-        the submitter's environment on.
-
-        The job's output goes to a file in the cluster's directory (Slurm writes it from
-        the compute node: on a real cluster, a shared filesystem) and is read back here.
-        A job that fails raises `SlurmError` with that output. (`sbatch --wait` would do
-        the waiting, but it polls every few seconds; `scontrol` answers at once.)
-        """
+        the submitter's environment on."""
         out = self.directory / f"sbatch-{time.monotonic_ns()}.out"
         env = {**self.env, **env, "SLURM_CONF": str(self.conf)} if env else self.env
         job = self.run(["sbatch", "--parsable", f"--output={out}", *options, str(script),
                         *args], cwd=cwd, env=env).stdout.strip().split(";")[0]
+        return Job(job, out, str(script))
+
+    def wait(self, job: Job, *, timeout: float = 300) -> str:
+        """Wait until `job` has ended, return what it printed (all its starts, if it was
+        requeued with `--open-mode=append`), and remove its output file.
+
+        A job that fails, or that can never start here, raises `SlurmError` with its
+        output; one still running after `timeout` is cancelled. (`sbatch --wait` would do
+        the waiting, but it polls every few seconds; `scontrol` answers at once.)"""
         deadline = time.monotonic() + timeout
         try:
-            while (state := self._job_state(job))[0] in ("PENDING", "CONFIGURING", "RUNNING",
-                                                          "COMPLETING"):
+            while (state := self.state(job))[0] in WAITING:
                 if state[0] == "PENDING" and state[2] in NEVER:
-                    raise SlurmError(f"batch job {job} of {script} can never start here "
+                    raise SlurmError(f"batch job {job.id} of {job.script} can never start here "
                                      f"(pending, reason {state[2]}): it asks for more than "
                                      f"this one node of {self.cpus} CPUs has (check --nodes, "
                                      "--ntasks, --cpus-per-task, --gpus); it was cancelled")
                 if time.monotonic() > deadline:
-                    raise SlurmError(f"batch job {job} of {script} did not end within "
+                    raise SlurmError(f"batch job {job.id} of {job.script} did not end within "
                                      f"{timeout:.0f} s; it was cancelled")
                 time.sleep(0.1)
         finally:
-            self.run(["scancel", job], check=False)  # a no-op once it ended
-        text = out.read_text() if out.exists() else ""
-        out.unlink(missing_ok=True)
+            self.run(["scancel", job.id], check=False)  # a no-op once it ended
+        text = job.output.read_text() if job.output.exists() else ""
+        job.output.unlink(missing_ok=True)
         if state[:2] != ("COMPLETED", "0:0"):
-            raise SlurmError(f"batch job {job} of {script} ended {state[0]} with exit code "
-                             f"{state[1]}:\n{text}")
+            raise SlurmError(f"batch job {job.id} of {job.script} ended {state[0]} with exit "
+                             f"code {state[1]}:\n{text}")
         return text
 
-    def _job_state(self, job: str) -> tuple[str, str, str]:
+    def sbatch(self, script: str | os.PathLike, *options: str, args: Sequence[str] = (),
+               cwd: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+               timeout: float = 300) -> str:
+        """Submit a batch script, wait until the job ends, return what it printed: `submit`
+        then `wait`."""
+        return self.wait(self.submit(script, *options, args=args, cwd=cwd, env=env),
+                         timeout=timeout)
+
+    def state(self, job: Job | str) -> tuple[str, str, str]:
         """("COMPLETED", "0:0", "None"): the job's state, exit code and the reason it waits,
         from `scontrol show job`."""
-        fields = dict(item.split("=", 1) for item in self.run(
-            ["scontrol", "--oneliner", "show", "job", job]).stdout.split() if "=" in item)
+        fields = self.show(job)
         return (fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", ""),
                 fields.get("Reason", ""))
+
+    def show(self, job: Job | str) -> dict[str, str]:
+        """Every field of `scontrol show job`, as a dict ("JobState": "RUNNING", ...)."""
+        job = job.id if isinstance(job, Job) else job
+        return dict(item.split("=", 1) for item in self.run(
+            ["scontrol", "--oneliner", "show", "job", job]).stdout.split() if "=" in item)
 
     def _log_tail(self, lines: int = 15) -> str:
         tails = []
