@@ -965,6 +965,34 @@ def _torchrun_variables(env, gpus_per_node):
     return f"torchrun --nnodes={env['WORLD_SIZE']} --node_rank={env['RANK']}"
 
 
+def _every_process_starts_one(env, gpus_per_node):
+    """6.4, wrong: right for one mpirun process per node, and a torchrun per GPU otherwise."""
+    return (f"torchrun --nnodes={env['OMPI_COMM_WORLD_SIZE']} "
+            f"--node_rank={env['OMPI_COMM_WORLD_RANK']} --nproc_per_node={gpus_per_node} "
+            f"--master_addr={env['MASTER_ADDR']} --master_port={env['MASTER_PORT']} "
+            "-m ddplab.train")
+
+
+def _a_torchrun_per_process(env, gpus_per_node):
+    """6.4, wrong: nodes counted and numbered right, but every process starts a torchrun."""
+    per_node = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    return (f"torchrun --nnodes={int(env['OMPI_COMM_WORLD_SIZE']) // per_node} "
+            f"--node_rank={int(env['OMPI_COMM_WORLD_RANK']) // per_node} "
+            f"--nproc_per_node={gpus_per_node} --master_addr={env['MASTER_ADDR']} "
+            f"--master_port={env['MASTER_PORT']} -m ddplab.train")
+
+
+def _process_rank_as_node_rank(env, gpus_per_node):
+    """6.4, wrong: one torchrun per node, but numbered by the process, not the node."""
+    per_node = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    if env["OMPI_COMM_WORLD_LOCAL_RANK"] != "0":
+        return None
+    return (f"torchrun --nnodes={int(env['OMPI_COMM_WORLD_SIZE']) // per_node} "
+            f"--node_rank={env['OMPI_COMM_WORLD_RANK']} --nproc_per_node={gpus_per_node} "
+            f"--master_addr={env['MASTER_ADDR']} --master_port={env['MASTER_PORT']} "
+            "-m ddplab.train")
+
+
 def _three_nodes_always(env, gpus_per_node):
     """6.4, wrong: the example's 3 nodes written in, not read from mpirun."""
     return (f"torchrun --nnodes=3 --node_rank={env['OMPI_COMM_WORLD_RANK']} "
@@ -1007,12 +1035,23 @@ CHAPTER_6 = [
     ("6.3", _before_first_comma, "master_addr('gpu[07-09]') returned 'gpu[07-09]'",
      "Which group comes first"),
     ("6.4", _local_rank_as_node_rank, "node_torchrun(env, 4) on node03 (OMPI_COMM_WORLD_RANK=1 "
-     "of 3) has --node_rank=0, but it is node rank 1", "OMPI_COMM_WORLD_LOCAL_RANK and "
-     "OMPI_COMM_WORLD_NODE_RANK number the processes within one node"),
-    ("6.4", _torchrun_variables, "node_torchrun(env, 4) on node02 (OMPI_COMM_WORLD_RANK=0 of 3) "
-     "raised KeyError", "come later, from torchrun"),
-    ("6.4", _three_nodes_always, "node_torchrun(env, 8) on node02 (OMPI_COMM_WORLD_RANK=0 of 2) "
-     "asks for --nnodes=3", "knows its place among mpirun's processes"),
+     "of 3, local rank 0 of 1) has --node_rank=0, but it is node rank 1",
+     "OMPI_COMM_WORLD_LOCAL_RANK and OMPI_COMM_WORLD_NODE_RANK number the processes within one "
+     "node"),
+    ("6.4", _torchrun_variables, "node_torchrun(env, 4) on node02 (OMPI_COMM_WORLD_RANK=0 of 3, "
+     "local rank 0 of 1) raised KeyError", "come later, from torchrun"),
+    ("6.4", _three_nodes_always, "node_torchrun(env, 8) on node02 (OMPI_COMM_WORLD_RANK=0 of 2, "
+     "local rank 0 of 1) asks for --nnodes=3", "knows its place among mpirun's processes"),
+    ("6.4", _every_process_starts_one, "node_torchrun(env, 4) on node02 (OMPI_COMM_WORLD_RANK=0 "
+     "of 8, local rank 0 of 4) asks for --nnodes=8; mpirun started 8 processes, 4 per node, so "
+     "the job has 2 nodes", "which of a node's processes starts its torchrun"),
+    ("6.4", _a_torchrun_per_process, "node_torchrun(env, 4) on node02 (OMPI_COMM_WORLD_RANK=1 "
+     "of 8, local rank 1 of 4) returned a command: with 4 mpirun processes on node02, each "
+     "starting a torchrun of 4 workers, the node would run 16 workers for its 4 GPUs",
+     "the others start nothing (return None)"),
+    ("6.4", _process_rank_as_node_rank, "node_torchrun(env, 4) on node03 (OMPI_COMM_WORLD_RANK=4 "
+     "of 8, local rank 0 of 4) has --node_rank=4, but it is node rank 1",
+     "OMPI_COMM_WORLD_RANK numbers processes, not nodes"),
 ]
 
 

@@ -329,38 +329,62 @@ def check_master_addr(master_addr) -> str:
 
 # --- 6.4 one torchrun per node, started by mpirun ---
 
-# (the node, its mpirun process's environment, GPUs per node): `mpirun -np N --map-by
-# ppr:1:node -x MASTER_ADDR -x MASTER_PORT` puts one process on each node.
-MPI_NODES = [
-    (f"node{n + 2:02d}", {"OMPI_COMM_WORLD_RANK": str(n), "OMPI_COMM_WORLD_SIZE": str(size),
-                          "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
-                          "OMPI_COMM_WORLD_NODE_RANK": "0", "MASTER_ADDR": "node02",
-                          "MASTER_PORT": "29500", "HOME": "/home/ada"}, gpus)
-    for size, gpus in ((3, 4), (2, 8)) for n in range(size)
-]
+
+def _mpi_job(nodes: int, per_node: int, gpus: int) -> list[tuple[str, dict[str, str], int]]:
+    """The processes of `mpirun -np nodes*per_node --map-by ppr:per_node:node -x MASTER_ADDR
+    -x MASTER_PORT` (node, its environment, GPUs per node): mpirun numbers one node's
+    processes before the next node's."""
+    return [(f"node{node + 2:02d}",
+             {"OMPI_COMM_WORLD_RANK": str(node * per_node + local),
+              "OMPI_COMM_WORLD_SIZE": str(nodes * per_node),
+              "OMPI_COMM_WORLD_LOCAL_RANK": str(local),
+              "OMPI_COMM_WORLD_LOCAL_SIZE": str(per_node),
+              "OMPI_COMM_WORLD_NODE_RANK": str(local), "MASTER_ADDR": "node02",
+              "MASTER_PORT": "29500", "HOME": "/home/ada"}, gpus)
+            for node in range(nodes) for local in range(per_node)]
+
+
+MPI_JOBS = [_mpi_job(3, 1, 4), _mpi_job(2, 1, 8), _mpi_job(2, 4, 4)]
+"""3 nodes x 4 GPUs and 2 x 8, one mpirun process per node; then 2 x 4 started the way a
+hostfile with one slot per GPU starts them: one process per GPU."""
+MPI_NODES = [process for job in MPI_JOBS for process in job]
 
 
 @exercise("6.4", "A torchrun per node, from mpirun's variables", solution="node_torchrun",
-          hint="mpirun started one process per node, and each process knows its place among "
-               "mpirun's processes.")
+          hint="Each process knows its place among mpirun's processes, and among its node's. "
+               "How many nodes, which node, and which of a node's processes starts its "
+               "torchrun?")
 def check_node_torchrun(node_torchrun) -> str:
     seen, commands = [], {}
-    for node, env, gpus in MPI_NODES:
-        size, node_rank = int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"])
-        call = f"node_torchrun(env, {gpus}) on {node} (OMPI_COMM_WORLD_RANK={node_rank} of {size})"
+    for number, node, env, gpus in ((n, *process) for n, job in enumerate(MPI_JOBS)
+                                    for process in job):
+        size, rank = int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"])
+        local, per_node = (int(env["OMPI_COMM_WORLD_LOCAL_RANK"]),
+                           int(env["OMPI_COMM_WORLD_LOCAL_SIZE"]))
+        nodes, node_rank = size // per_node, rank // per_node
+        call = (f"node_torchrun(env, {gpus}) on {node} (OMPI_COMM_WORLD_RANK={rank} of {size}, "
+                f"local rank {local} of {per_node})")
         try:
             command = node_torchrun(dict(env), gpus)
         except Exception as err:  # a KeyError: torchrun's or Slurm's variables are not set
             raise NotYet(f"{call} raised {type(err).__name__}: {err}.",
                          "mpirun's processes have only OpenMPI's variables (and those given "
                          "with -x): RANK and WORLD_SIZE come later, from torchrun.") from None
+        if local:
+            expect(command is None, f"{call} returned a command: with {per_node} mpirun "
+                   f"processes on {node}, each starting a torchrun of {gpus} workers, the node "
+                   f"would run {per_node * gpus} workers for its {gpus} GPUs, in {per_node} "
+                   "worlds that never meet.", "one torchrun per node: let one of the node's "
+                   "processes start it, and the others start nothing (return None).")
+            continue
         expect(isinstance(command, str), f"{call} returned {command!r}; it should return the "
                "command as a string.", "" if command is None else "return the command line "
                                                                   "as one string.")
         args = _parse(command)
         expect(not args.standalone, f"{call} uses --standalone, which makes every node a job "
                "of its own.", "drop --standalone: the nodes must meet at the master.")
-        _expect_nodes(args, call, size, f"mpirun started {size} processes, one per node, so ")
+        _expect_nodes(args, call, nodes, f"mpirun started {size} processes, {per_node} per "
+                      "node, so ")
         expect(str(args.nproc_per_node) == str(gpus), f"{call} starts --nproc_per_node="
                f"{args.nproc_per_node}; each node has {gpus} GPUs, one process each.")
         meets = _meeting_place(args)
@@ -371,15 +395,19 @@ def check_node_torchrun(node_torchrun) -> str:
                    f"{call} has --node_rank={args.node_rank}, but it is node rank {node_rank}"
                    + (": every node would claim the same node rank." if node_rank else "."),
                    "OMPI_COMM_WORLD_LOCAL_RANK and OMPI_COMM_WORLD_NODE_RANK number the "
-                   "processes within one node (a single one here, so both are 0); the node's "
-                   "number is its process's place in mpirun's world."
-                   if args.node_rank == 0 else "")
+                   "processes within one node; the node's number follows from the process's "
+                   "place in mpirun's world and the processes per node."
+                   if args.node_rank == 0 else
+                   "OMPI_COMM_WORLD_RANK numbers processes, not nodes: with several "
+                   "processes per node they differ." if args.node_rank == rank else "")
         expect(args.module and args.training_script == "ddplab.train",
                f"{call} runs {args.training_script!r}"
                f"{' as a module' if args.module else ''}; it should run -m ddplab.train.")
         seen.append(f"{node}: ranks {node_rank * gpus}-{node_rank * gpus + gpus - 1}")
-        commands.setdefault(size, []).append(args)
-    for size, job in commands.items():
-        _expect_one_rendezvous(job, f"node_torchrun(...) on the {size} nodes of one job")
-    return ("torchrun reads each node's command as its part of one job, 3 nodes x 4 GPUs ("
-            + "; ".join(seen[:3]) + ") and 2 nodes x 8 (" + "; ".join(seen[3:]) + ").")
+        commands.setdefault(number, []).append(args)
+    for job in commands.values():
+        _expect_one_rendezvous(job, "node_torchrun(...) on the nodes of one job")
+    return ("torchrun reads each node's command as its part of one job: 3 nodes x 4 GPUs ("
+            + "; ".join(seen[:3]) + "), 2 x 8 (" + "; ".join(seen[3:5]) + "), and 2 x 4 started "
+            "as one mpirun process per GPU, where only each node's first starts a torchrun ("
+            + "; ".join(seen[5:]) + ").")

@@ -47,10 +47,15 @@ def master_addr(nodelist):
 
 
 def node_torchrun(env, gpus_per_node):
-    """Exercise 6.4: the torchrun command for the node this mpirun process runs on."""
+    """Exercise 6.4: the torchrun command for the node this mpirun process runs on, or None
+    for a process that must start nothing (mpirun started several on its node)."""
+    per_node = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])   # mpirun's processes on this node
+    if int(env["OMPI_COMM_WORLD_LOCAL_RANK"]) != 0:
+        return None                                     # the node's first process starts it
+    # mpirun numbers one node's processes before the next node's (--map-by ppr:N:node).
     return ("torchrun "
-            f"--nnodes={env['OMPI_COMM_WORLD_SIZE']} "       # one mpirun process per node
-            f"--node_rank={env['OMPI_COMM_WORLD_RANK']} "    # its place: the node's number
+            f"--nnodes={int(env['OMPI_COMM_WORLD_SIZE']) // per_node} "
+            f"--node_rank={int(env['OMPI_COMM_WORLD_RANK']) // per_node} "
             f"--nproc_per_node={gpus_per_node} "
             f"--master_addr={env['MASTER_ADDR']} --master_port={env['MASTER_PORT']} "
             "-m ddplab.train")
