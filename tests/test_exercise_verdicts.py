@@ -952,6 +952,21 @@ def _first_bracket_only(nodelist):
     return prefix + ranges.split("]")[0].replace("-", ",").split(",")[0]
 
 
+def _the_kits_detect(env):
+    """6.2, wrong: ddplab.launch.detect() is the kit's answer, not the learner's."""
+    from ddplab.launch import detect
+
+    found = detect(env)
+    return found.rank, found.local_rank, found.world_size
+
+
+def _the_kits_first_host(nodelist):
+    """6.3, wrong: ddplab.launch.first_host() is the kit's answer."""
+    from ddplab.launch import first_host
+
+    return first_host(nodelist)
+
+
 def _local_rank_as_node_rank(env, gpus_per_node):
     """6.4, wrong: OpenMPI's local rank is 0 on every node here."""
     return (f"torchrun --nnodes={env['OMPI_COMM_WORLD_SIZE']} "
@@ -1011,7 +1026,7 @@ CHAPTER_6 = [
      "with no srun (", "which of Slurm's variables do only a step's tasks have"),
     ("6.1", _c10d_one_id_per_node, "node_command(...) gives the nodes different --rdzv_id "
      "values (gpu05, gpu06)", "the same --rdzv_id"),
-    ("6.3", _first_bracket_only, "master_addr('node[01-02]-ib') returned 'node01'",
+    ("6.3", _first_bracket_only, "master_addr('rack[1-2]-node[01-04]') returned 'rack1'",
      "A name may go on after its brackets"),
     ("6.1", _standalone_everywhere, "node_command('gpu05') uses --standalone",
      "drop --standalone"),
@@ -1034,6 +1049,10 @@ CHAPTER_6 = [
      "commas that are not inside brackets"),
     ("6.3", _before_first_comma, "master_addr('gpu[07-09]') returned 'gpu[07-09]'",
      "Which group comes first"),
+    ("6.2", _the_kits_detect, "your function calls detect(): that is ddplab.launch's own "
+     "answer", "write the reading yourself"),
+    ("6.3", _the_kits_first_host, "your function calls first_host(): that is ddplab.launch's "
+     "own answer", "write the reading yourself"),
     ("6.4", _local_rank_as_node_rank, "node_torchrun(env, 4) on node03 (OMPI_COMM_WORLD_RANK=1 "
      "of 3, local rank 0 of 1) has --node_rank=0, but it is node rank 1",
      "OMPI_COMM_WORLD_LOCAL_RANK and OMPI_COMM_WORLD_NODE_RANK number the processes within one "
