@@ -305,6 +305,24 @@ def test_show_timeline_groups_lanes_first_and_marks_a_ranks_first_lane():
     assert rows["failed"] == rows["rank 1 · attempt 1"]  # the mark, in rank 1's first lane
 
 
+def test_show_timeline_draws_an_agent_in_grey_and_zooms_on_the_runs_clock():
+    from ddplab.viz.timeline import NO_RANK
+
+    spans = [viz.Span(0, 0.0, 4.2, "start-up", lane="attempt 1"),
+             viz.Span(None, 0.0, 4.3, "watches", lane="agent"),
+             viz.Span(None, 4.3, 4.4, "rendezvous", lane="agent"),
+             viz.Span(0, 4.4, 8.0, "start-up", lane="attempt 2")]
+    fig = viz.show_timeline(spans, lanes_first=True, window=(4.1, 4.5))
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "agent" in texts and "rank None" not in " ".join(texts)   # a lane, not a rank
+    assert {"4100 ms", "4200 ms", "4500 ms"} <= set(texts)   # ticks on the run's clock
+    assert "rendezvous" in texts   # 100 ms of 400 holds its label in the zoom
+    greys = [p for p in fig.axes[0].patches if p.get_edgecolor()[:3] == to_rgb(NO_RANK)]
+    assert len(greys) == 2   # the agent's two spans in the window, in no rank's grey
+    with pytest.raises(ValueError, match="start before end"):
+        viz.show_timeline(spans, window=(5.0, 4.0))
+
+
 def test_show_buckets_draws_each_bucket_to_scale_with_its_size():
     layouts = [("iteration 1", [[("b", 40), ("w", 4_000_000)]]),
                ("iteration 2", [[("b", 40)], [("w", 4_000_000)]])]

@@ -24,6 +24,10 @@ from matplotlib.patches import Patch, Rectangle
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, label_size
 from ddplab.viz.palette import COMBINED, EMPTY, rank_color, text_color, tint
 
+NO_RANK = "#5F5F5F"
+"""The dark grey of a lane that is no rank's (torchrun's agent): a colour is always a
+rank, and rank 7's is a light grey."""
+
 
 @dataclass(frozen=True)
 class Span:
@@ -31,9 +35,10 @@ class Span:
 
     `lane` splits a rank's row in two or more ("backward", "all_reduce") where things
     happen at the same time on one rank, as DDP's communication overlaps its computation.
+    A span of no rank (`rank=None`: torchrun's agent) gets a grey lane named by `lane`.
     """
 
-    rank: int
+    rank: int | None  # None: no rank's time (a launcher's agent), drawn in grey
     start: float  # seconds, on a clock all ranks share (time.monotonic() on one machine)
     end: float
     label: str
@@ -57,19 +62,24 @@ def _time_text(seconds: float, step: float) -> str:
     return f"{seconds * 1e3:.{max(0, -int(np.floor(np.log10(step * 1e3))))}f} ms"
 
 
-def time_axis(ax, x, t0: float, t1: float, left: float, axis: float, base: float) -> None:
+def time_axis(ax, x, t0: float, t1: float, left: float, axis: float, base: float,
+              origin: float | None = None) -> None:
     """The time axis under a timeline, at height `base`: a line `axis` inches long from
-    `left`, and round ticks (`_time_step`) labelled from 0, placed by `x(t)`."""
+    `left`, and round ticks (`_time_step`) placed by `x(t)`, labelled as seconds since
+    `origin` (default `t0`: from 0)."""
+    origin = t0 if origin is None else origin
     ax.plot([left, left + axis], [base, base], color="#555555", lw=0.8)
     step = _time_step(t1 - t0)
-    for k in range(int((t1 - t0) / step + 1e-9) + 1):
-        ax.plot([x(t0 + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
-        ax.text(x(t0 + k * step), base - 0.1, _time_text(k * step, step), ha="center",
+    first = int(np.ceil((t0 - origin) / step - 1e-9))
+    for k in range(first, int((t1 - origin) / step + 1e-9) + 1):
+        ax.plot([x(origin + k * step)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
+        ax.text(x(origin + k * step), base - 0.1, _time_text(k * step, step), ha="center",
                 va="top", fontsize=FONT - 1)
 
 
-def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]] = (), *,
-                  title: str | None = None, lanes_first: bool = False) -> Figure:
+def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int | None, float, str]] = (),
+                  *, title: str | None = None, lanes_first: bool = False,
+                  window: tuple[float, float] | None = None) -> Figure:
     """What each rank did, and when: one lane per rank (or per rank and `Span.lane`), time
     from left to right.
 
@@ -80,18 +90,35 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
     a timeline under 5 s. The lanes go rank by rank; `lanes_first` groups them by
     `Span.lane` instead (each lane's ranks together: an elastic job's attempts one under
     the other).
+
+    `window` (start, end), on the spans' clock, zooms in: only that stretch is drawn, the
+    spans cut to it, and the axis still counts from the first span's start, so that a
+    zoom reads against the whole picture beside it.
     """
     if not spans:
         raise ValueError("no spans to draw")
-    t0 = min(s.start for s in spans)
-    t1 = max([s.end for s in spans] + [t for _, t, _ in marks])
+    origin = min(s.start for s in spans)
+    if window is not None:
+        t0, t1 = window
+        if not t0 < t1:
+            raise ValueError(f"show_timeline: window={window} must be (start, end), start "
+                             "before end")
+        spans = [Span(s.rank, max(s.start, t0), min(s.end, t1), s.label, s.waiting, s.lane)
+                 for s in spans if s.end > t0 and s.start < t1]
+        marks = [m for m in marks if t0 <= m[1] <= t1]
+    else:
+        t0 = origin
+        t1 = max([s.end for s in spans] + [t for _, t, _ in marks])
     # Lanes by rank, and within a rank in the order their first span comes in `spans`.
     seen = list(dict.fromkeys((s.rank, s.lane) for s in spans))
     names = list(dict.fromkeys(lane for _, lane in seen))
+    def number(rank: int | None) -> int:  # no rank's lanes after every rank's
+        return 1 << 30 if rank is None else rank
+
     lanes = sorted(seen + [(r, "") for r, _, _ in marks if not any(s.rank == r for s in spans)],
-                   key=lambda key: ((names.index(key[1]) if key[1] in names else 0, key[0])
-                                    if lanes_first else
-                                    (key[0], seen.index(key) if key in seen else 0)))
+                   key=lambda key: ((names.index(key[1]) if key[1] in names else 0,
+                                     number(key[0])) if lanes_first else
+                                    (number(key[0]), seen.index(key) if key in seen else 0)))
     named = any(lane for _, lane in lanes)
     lane, left, right = 0.55, 0.9 + (1.0 if named else 0), 1.9  # right: room for marks' text
     axis = MAX_WIDTH - left - right  # the time axis takes what the page leaves
@@ -108,13 +135,15 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
         where = (rank, name) if (rank, name) in lanes else next(k for k in lanes if k[0] == rank)
         return height - top - (lanes.index(where) + 1) * lane
 
+    def color_of(rank: int | None) -> str:
+        return NO_RANK if rank is None else rank_color(rank)
+
     for rank, name in lanes:
-        ax.text(left - 0.1, y(rank, name) + lane / 2, f"rank {rank}" + (f" · {name}" if name
-                                                                        else ""),
-                ha="right", va="center", fontsize=FONT, fontweight="bold",
-                color=text_color(rank_color(rank)))
+        text = name if rank is None else f"rank {rank}" + (f" · {name}" if name else "")
+        ax.text(left - 0.1, y(rank, name) + lane / 2, text, ha="right", va="center",
+                fontsize=FONT, fontweight="bold", color=text_color(color_of(rank)))
     for s in spans:
-        color = rank_color(s.rank)
+        color = color_of(s.rank)
         ax.add_patch(Rectangle((x(s.start), y(s.rank, s.lane) + 0.1),
                                max((s.end - s.start) * scale, 0.02), lane - 0.2,
                                fc=tint(color, 0.8 if s.waiting else 0.35), ec=color,
@@ -127,7 +156,7 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int, float, str]]
         ax.plot([x(t)], [y(rank) + lane / 2], marker="x", ms=9, mew=2.2, color="#C00000")
         ax.text(x(t) + 0.12, y(rank) + lane / 2, text, ha="left", va="center",
                 fontsize=FONT - 1, color="#C00000")
-    time_axis(ax, x, t0, t1, left, axis, height - top - lane * len(lanes) - 0.05)
+    time_axis(ax, x, t0, t1, left, axis, height - top - lane * len(lanes) - 0.05, origin)
     return canvas.fig
 
 
