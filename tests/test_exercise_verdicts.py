@@ -269,26 +269,42 @@ def _majority_of_flight_records(err, world_size):
     return None
 
 
-def _logs_on_rank_0_only(loss):
-    """7.2, the broken version the chapter starts from."""
+def _own_loss_decides(val_loss, best):
+    """7.2, the broken version: each rank stops on its own shard's loss."""
+    return val_loss >= best, val_loss
+
+
+def _rank_0_decides_alone(val_loss, best):
+    """7.2, wrong: only rank 0 learns the mean, the others wait for its word in vain."""
     import torch
     import torch.distributed as dist
 
+    total = torch.tensor([float(val_loss)])
     if dist.get_rank() == 0:
-        total = torch.tensor([float(loss)])
         dist.all_reduce(total)
-        return total.item() / dist.get_world_size()
-    return None
+    mean = total.item() / dist.get_world_size()
+    return mean >= best, mean
 
 
-def _mean_everywhere(loss):
-    """7.2, half right: no deadlock, but every rank returns the mean."""
+def _worst_rank_decides(val_loss, best):
+    """7.2, half right: the ranks agree, on the worst shard's loss instead of the mean."""
     import torch
     import torch.distributed as dist
 
-    total = torch.tensor([float(loss)])
+    worst = torch.tensor([float(val_loss)])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item() >= best, worst.item()
+
+
+def _stops_only_when_worse(val_loss, best):
+    """7.2, wrong: a mean equal to the best is no improvement, and should stop too."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(val_loss)])
     dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
+    mean = total.item() / dist.get_world_size()
+    return mean > best, mean
 
 
 def _sums_agree(model):
@@ -328,9 +344,15 @@ CHAPTER_7 = [
      "the collective 'skipping_step'", "the first number at which the records differ"),
     ("7.1", _majority_of_flight_records, "when rank 0 of 2 skipped all_gather, your function "
      "named the collective 'barrier'", "no majority"),
-    ("7.2", _logs_on_rank_0_only, "your function did not finish within 5 s: rank 0 was still "
-     "waiting in all_reduce()", "every rank must make the same collective calls"),
-    ("7.2", _mean_everywhere, "with 2 ranks, the other ranks returned {1: 1.0}", "None elsewhere"),
+    ("7.2", _own_loss_decides, "with 2 ranks (validation losses [0.5, 1.5], best mean so far "
+     "1.2), the ranks decided differently: rank 0 goes on, rank 1 stops", "its own validation "
+     "loss is not one"),
+    ("7.2", _rank_0_decides_alone, "your function did not finish within 5 s: rank 0 was still",
+     "every rank must make the same collective calls"),
+    ("7.2", _worst_rank_decides, "with 2 ranks (validation losses [0.5, 1.5], best mean so far "
+     "1.2), rank 0 returned the mean 1.5; the mean over the ranks is 1", "the mean of theirs"),
+    ("7.2", _stops_only_when_worse, "with 4 ranks (validation losses [1.0, 1.0, 1.0, 1.0], best "
+     "mean so far 1), every rank returned stop=False", "not below"),
     ("7.3", _sums_agree, "for two weights swapped replicas your function said True",
      "two swapped values, is still a difference"),
     ("7.3", lambda model: True, "for one rank nudged replicas your function said True",

@@ -1,4 +1,5 @@
-"""Chapter 7 exercises: debugging (who skipped a collective; a deadlock fixed; diverged replicas).
+"""Chapter 7 exercises: debugging (who skipped a collective; early stopping that cannot
+deadlock; diverged replicas).
 
 7.1 gives the learner's function real hang reports: a rank of a real pool skips one of
 three collectives, issued asynchronously and waited for at the end as a GPU program's are,
@@ -119,43 +120,64 @@ def _stacks(err: RankTimeout, victim: int) -> str:
     return f"the stacks: {stacks}{finished}; each rank's record is in err.flight"
 
 
-# --- 7.2 a deadlock: only rank 0 logs the mean loss ---
+# --- 7.2 early stopping: every rank must stop at the same epoch ---
 
-LOSSES = [0.5, 1.5, 4.0, 2.0]
-"""Rank r's loss in 7.2 (the first world_size of them)."""
+STOPS = [([0.5, 1.5], 1.2), ([0.5, 1.5, 4.0], 1.5), ([1.0, 1.0, 1.0, 1.0], 1.0),
+         ([0.25, 0.5, 0.75, 2.0], 0.9)]
+"""7.2's cases: each rank's validation loss (one per rank), and the best mean so far. In
+the first, rank 1's own loss says stop and the mean says go on; in the second, rank 0's
+says go on and the mean says stop; in the third the mean equals the best."""
 
 
-def _mean_loss_on_rank(attempt: Callable) -> object:
+def _stop_on_rank(attempt: Callable, losses: list[float], best: float) -> object:
     import torch.distributed as dist
 
-    return attempt(LOSSES[dist.get_rank()])
+    return attempt(losses[dist.get_rank()], best)
 
 
-@exercise("7.2", "Log the mean loss on rank 0 without a deadlock", solution="mean_loss",
-          hint="a collective is a meeting: every rank of the group must call it, the ones "
-               "that will print nothing too. Which lines of the broken version must every "
-               "rank run, and which only rank 0?")
-def check_mean_loss(mean_loss: Callable) -> str:
-    for world_size in (2, 3):
+@exercise("7.2", "Early stopping that every rank agrees on", solution="stop_together",
+          hint="a rank that stops while another goes on leaves it waiting in the next "
+               "step's all-reduce. Which number can every rank know, and compare, alike?")
+def check_stop_together(stop_together: Callable) -> str:
+    for losses, best in STOPS:
+        world_size, mean = len(losses), sum(losses) / len(losses)
         with ranks(world_size) as pool:
-            got = run_in_time(pool, _mean_loss_on_rank, mean_loss, deadline=DEADLINE,
+            got = run_in_time(pool, _stop_on_rank, stop_together, losses, best,
+                              deadline=DEADLINE,
                               meaning="Some ranks waited in a collective that the others "
-                                      "never called: the deadlock of the broken version.",
-                              hint="every rank must make the same collective calls; "
-                                   "only the printing is rank 0's alone.")
-        want = sum(LOSSES[:world_size]) / world_size
-        expect(isinstance(got[0], (int, float)) and abs(got[0] - want) < 1e-6,
-               f"with {world_size} ranks (losses {LOSSES[:world_size]}), rank 0 returned "
-               f"{got[0]!r}; expected their mean, {want:g}.",
-               "rank 0 can learn the other ranks' losses only through a collective, and a "
-               "collective completes only when every rank calls it, the ones that will "
-               "print nothing too.")
-        extra = {r: v for r, v in enumerate(got) if r and v is not None}
-        expect(not extra,
-               f"with {world_size} ranks, the other ranks returned {extra}; only rank 0 logs, "
-               "so the others should return None.",
-               "after the collective, return the mean on rank 0 and None elsewhere.")
-    return "rank 0 logs the mean of every rank's loss, and no rank waits for another."
+                                      "never called.",
+                              hint="every rank must make the same collective calls, the "
+                                   "ones whose own loss already decides nothing too.")
+        case = f"with {world_size} ranks (validation losses {losses}, best mean so far {best:g})"
+        for rank, value in enumerate(got):
+            expect(isinstance(value, tuple) and len(value) == 2,
+                   f"{case}, rank {rank} returned {value!r}; it should return a tuple "
+                   "(stop, mean_loss).")
+        decisions = {rank: value[0] for rank, value in enumerate(got)}
+        expect(len(set(decisions.values())) == 1,
+               f"{case}, the ranks decided differently: "
+               + ", ".join(f"rank {r} {'stops' if d else 'goes on'}"
+                           for r, d in decisions.items())
+               + ". The ones that go on wait in their next step's all-reduce for ranks "
+                 "that have left: the same deadlock, one epoch later.",
+               "decide from a number every rank has: its own validation loss is not one.")
+        for rank, (stop, value) in enumerate(got):
+            expect(isinstance(stop, bool), f"{case}, rank {rank} returned stop={stop!r}, a "
+                   f"{type(stop).__name__}; return True or False (a tensor's .item() gives "
+                   "a Python number, and comparing numbers a bool).")
+            expect(isinstance(value, (int, float)) and abs(value - mean) < 1e-6,
+                   f"{case}, rank {rank} returned the mean {value!r}; the mean over the "
+                   f"ranks is {mean:g}.", "each rank's loss is the mean over its own shard "
+                   "(shards of one size), so the run's is the mean of theirs.")
+            expect(stop is (mean >= best),
+                   f"{case}, every rank returned stop={stop!r}; the mean, {mean:g}, is "
+                   f"{'not below' if mean >= best else 'below'} the best so far, {best:g}, so "
+                   f"the run should {'stop' if mean >= best else 'go on'}.",
+                   "stop when the mean is no better (not below) the best so far; return "
+                   "True or False.")
+    return (f"all {len(STOPS)} cases decided alike on every rank, from the mean over the "
+            "ranks: no rank leaves while another waits for it, and the run stops when the "
+            "whole validation set says so, not one shard.")
 
 
 # --- 7.3 replicas that silently diverged ---
