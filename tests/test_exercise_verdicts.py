@@ -974,6 +974,18 @@ def _first_bracket_only(nodelist):
     return prefix + ranges.split("]")[0].replace("-", ",").split(",")[0]
 
 
+def _torchruns_variables_first(env):
+    """6.2, wrong: RANK read before OpenMPI's, as if only torchrun ever set it."""
+    if "RANK" in env:
+        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    for rank, local, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                               "OMPI_COMM_WORLD_SIZE"),
+                              ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS")):
+        if size in env:
+            return int(env[rank]), int(env[local]), int(env[size])
+    return 0, 0, 1
+
+
 def _the_kits_detect(env):
     """6.2, wrong: ddplab.launch.detect() is the kit's answer, not the learner's."""
     from ddplab.launch import detect
@@ -1071,6 +1083,9 @@ CHAPTER_6 = [
      "commas that are not inside brackets"),
     ("6.3", _before_first_comma, "master_addr('gpu[07-09]') returned 'gpu[07-09]'",
      "Which group comes first"),
+    ("6.2", _torchruns_variables_first, "for mpirun -np 4 over 2 nodes, started from a shell "
+     "where RANK=1 was left set (mpirun passes it on) (OMPI_COMM_WORLD_RANK=3", "innermost "
+     "first"),
     ("6.2", _the_kits_detect, "your function calls detect(): that is ddplab.launch's own "
      "answer", "write the reading yourself"),
     ("6.3", _the_kits_first_host, "your function calls first_host(): that is ddplab.launch's "

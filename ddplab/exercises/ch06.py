@@ -44,6 +44,8 @@ _DAEMON_STEP = {**_JOB, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID
 _MPIRUN_8 = {**_MPIRUN, "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
 
 _NO_SRUN = "a Slurm batch script of 2 tasks that runs python itself, with no srun"
+_STRAY_RANK = ("mpirun -np 4 over 2 nodes, started from a shell where RANK=1 was left set "
+               "(mpirun passes it on)")
 
 # (what launched it, its environment, (rank, local_rank, world_size))
 LAUNCHES = [
@@ -71,12 +73,14 @@ LAUNCHES = [
     (_NO_SRUN,
      {**_JOB, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
       "SLURM_NTASKS": "2"}, (0, 0, 1)),
+    (_STRAY_RANK, {**_MPIRUN, "RANK": "1"}, (3, 1, 4)),
 ]
 
 
-# A launch where refusing is right too: detect() refuses it (the job asked for 2 tasks and
-# started one process), and a function that raises there has seen the slip.
-MAY_REFUSE = {_NO_SRUN}
+# Launches where refusing is right too: detect() refuses them (the job asked for 2 tasks and
+# started one process; a RANK that mpirun's own contradicts), and a function that raises
+# there has seen the slip.
+MAY_REFUSE = {_NO_SRUN, _STRAY_RANK}
 
 
 def _expect_own_work(function: Callable, kit_name: str, what: str) -> None:
