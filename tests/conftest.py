@@ -140,9 +140,9 @@ NEEDS_LAUNCHERS = {"06b_launchers_clusters.ipynb"}
 """Chapters that start a real Slurm cluster and mpirun."""
 
 FILE_SECONDS = {
-    "test_exercise_ddp_script.py": 161, "06a_launchers_torchrun.ipynb": 118,
+    "test_exercise_ddp_script.py": 161, "06a_launchers_torchrun.ipynb": 100,
     "test_exercise_verdicts.py": 64, "07a_debugging_collectives.ipynb": 61,
-    "06b_launchers_clusters.ipynb": 92, "test_exercises.py": 45, "05_ddp_mnist.ipynb": 39,
+    "06b_launchers_clusters.ipynb": 80, "test_exercises.py": 45, "05_ddp_mnist.ipynb": 39,
     "test_pool.py": 37, "test_launchers.py": 34, "01_processes_and_ranks.ipynb": 28,
     "test_train.py": 25, "10d_planning.ipynb": 25, "09b_fsdp.ipynb": 21, "test_kernel.py": 20,
     "02_init_methods_and_backends.ipynb": 19, "test_browser.py": 16,
