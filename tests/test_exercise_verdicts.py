@@ -1001,12 +1001,18 @@ def _the_kits_first_host(nodelist):
     return first_host(nodelist)
 
 
+def _static_torchrun(env, gpus_per_node, nnodes, node_rank) -> str:
+    """A static-rendezvous torchrun command from an mpirun process's environment, with the
+    node count and node rank a wrong attempt computed."""
+    return (f"torchrun --nnodes={nnodes} --node_rank={node_rank} "
+            f"--nproc_per_node={gpus_per_node} --master_addr={env['MASTER_ADDR']} "
+            f"--master_port={env['MASTER_PORT']} -m ddplab.train")
+
+
 def _local_rank_as_node_rank(env, gpus_per_node):
     """6.4, wrong: OpenMPI's local rank is 0 on every node here."""
-    return (f"torchrun --nnodes={env['OMPI_COMM_WORLD_SIZE']} "
-            f"--node_rank={env['OMPI_COMM_WORLD_LOCAL_RANK']} --nproc_per_node={gpus_per_node} "
-            f"--master_addr={env['MASTER_ADDR']} --master_port={env['MASTER_PORT']} "
-            "-m ddplab.train")
+    return _static_torchrun(env, gpus_per_node, env["OMPI_COMM_WORLD_SIZE"],
+                            env["OMPI_COMM_WORLD_LOCAL_RANK"])
 
 
 def _torchrun_variables(env, gpus_per_node):
@@ -1016,37 +1022,29 @@ def _torchrun_variables(env, gpus_per_node):
 
 def _every_process_starts_one(env, gpus_per_node):
     """6.4, wrong: right for one mpirun process per node, and a torchrun per GPU otherwise."""
-    return (f"torchrun --nnodes={env['OMPI_COMM_WORLD_SIZE']} "
-            f"--node_rank={env['OMPI_COMM_WORLD_RANK']} --nproc_per_node={gpus_per_node} "
-            f"--master_addr={env['MASTER_ADDR']} --master_port={env['MASTER_PORT']} "
-            "-m ddplab.train")
+    return _static_torchrun(env, gpus_per_node, env["OMPI_COMM_WORLD_SIZE"],
+                            env["OMPI_COMM_WORLD_RANK"])
 
 
 def _a_torchrun_per_process(env, gpus_per_node):
     """6.4, wrong: nodes counted and numbered right, but every process starts a torchrun."""
     per_node = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
-    return (f"torchrun --nnodes={int(env['OMPI_COMM_WORLD_SIZE']) // per_node} "
-            f"--node_rank={int(env['OMPI_COMM_WORLD_RANK']) // per_node} "
-            f"--nproc_per_node={gpus_per_node} --master_addr={env['MASTER_ADDR']} "
-            f"--master_port={env['MASTER_PORT']} -m ddplab.train")
+    return _static_torchrun(env, gpus_per_node, int(env["OMPI_COMM_WORLD_SIZE"]) // per_node,
+                            int(env["OMPI_COMM_WORLD_RANK"]) // per_node)
 
 
 def _process_rank_as_node_rank(env, gpus_per_node):
     """6.4, wrong: one torchrun per node, but numbered by the process, not the node."""
-    per_node = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
     if env["OMPI_COMM_WORLD_LOCAL_RANK"] != "0":
         return None
-    return (f"torchrun --nnodes={int(env['OMPI_COMM_WORLD_SIZE']) // per_node} "
-            f"--node_rank={env['OMPI_COMM_WORLD_RANK']} --nproc_per_node={gpus_per_node} "
-            f"--master_addr={env['MASTER_ADDR']} --master_port={env['MASTER_PORT']} "
-            "-m ddplab.train")
+    per_node = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    return _static_torchrun(env, gpus_per_node, int(env["OMPI_COMM_WORLD_SIZE"]) // per_node,
+                            env["OMPI_COMM_WORLD_RANK"])
 
 
 def _three_nodes_always(env, gpus_per_node):
     """6.4, wrong: the example's 3 nodes written in, not read from mpirun."""
-    return (f"torchrun --nnodes=3 --node_rank={env['OMPI_COMM_WORLD_RANK']} "
-            f"--nproc_per_node={gpus_per_node} --master_addr={env['MASTER_ADDR']} "
-            f"--master_port={env['MASTER_PORT']} -m ddplab.train")
+    return _static_torchrun(env, gpus_per_node, 3, env["OMPI_COMM_WORLD_RANK"])
 
 
 CHAPTER_6 = [

@@ -377,9 +377,10 @@ MPI_NODES = [process for job in MPI_JOBS for process in job]
                "How many nodes, which node, and which of a node's processes starts its "
                "torchrun?")
 def check_node_torchrun(node_torchrun) -> str:
-    seen, commands = [], {}
-    for number, node, env, gpus in ((n, *process) for n, job in enumerate(MPI_JOBS)
-                                    for process in job):
+    seen = [[] for _ in MPI_JOBS]  # per job: each node's ranks
+    commands = [[] for _ in MPI_JOBS]  # per job: each node's command, as torchrun reads it
+    for number, (node, env, gpus) in ((n, process) for n, job in enumerate(MPI_JOBS)
+                                      for process in job):
         size, rank = int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"])
         local, per_node = (int(env["OMPI_COMM_WORLD_LOCAL_RANK"]),
                            int(env["OMPI_COMM_WORLD_LOCAL_SIZE"]))
@@ -425,11 +426,11 @@ def check_node_torchrun(node_torchrun) -> str:
         expect(args.module and args.training_script == "ddplab.train",
                f"{call} runs {args.training_script!r}"
                f"{' as a module' if args.module else ''}; it should run -m ddplab.train.")
-        seen.append(f"{node}: ranks {node_rank * gpus}-{node_rank * gpus + gpus - 1}")
-        commands.setdefault(number, []).append(args)
-    for job in commands.values():
+        seen[number].append(f"{node}: ranks {node_rank * gpus}-{node_rank * gpus + gpus - 1}")
+        commands[number].append(args)
+    for job in commands:
         _expect_one_rendezvous(job, "node_torchrun(...) on the nodes of one job")
+    per_node, per_node_2, per_gpu = ("; ".join(nodes) for nodes in seen)
     return ("torchrun reads each node's command as its part of one job: 3 nodes x 4 GPUs ("
-            + "; ".join(seen[:3]) + "), 2 x 8 (" + "; ".join(seen[3:5]) + "), and 2 x 4 started "
-            "as one mpirun process per GPU, where only each node's first starts a torchrun ("
-            + "; ".join(seen[5:]) + ").")
+            f"{per_node}), 2 x 8 ({per_node_2}), and 2 x 4 started as one mpirun process per "
+            f"GPU, where only each node's first starts a torchrun ({per_gpu}).")
