@@ -82,7 +82,13 @@ def fit(sizes: Sequence[float], seconds: Sequence[float]) -> Model:
     if sxx == 0:
         raise ValueError("fit needs messages of at least two different sizes")
     sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds, strict=True))
-    beta = max(sxy / sxx, 0.0)
+    beta = sxy / sxx
+    if beta <= 0:
+        raise ValueError(
+            "fit: the times do not grow with the message size (the line through them falls "
+            f"or is flat: {sxy / sxx:.3g} s per byte), so they measure something other than "
+            "the messages, such as other work on the machine; measure again, with more "
+            "iterations (`iters`) or on a quieter machine")
     return Model(alpha=max(my - beta * mx, 0.0), beta=beta)
 
 
@@ -96,28 +102,37 @@ def _shared(times: list[float]) -> list[float]:
     return shared.tolist()
 
 
-def _fastest(step, iters: int, warmup: int, before=lambda: None) -> float:
-    """The fastest of `iters` timed calls of `step`, after `warmup` untimed ones; `before`
-    runs ahead of each call, untimed (a barrier, so that both ranks start together)."""
-    times = []
+def _fastest_in_turns(steps: Sequence, iters: int, warmup: int,
+                      before=lambda: None) -> list[float]:
+    """The fastest of `iters` timed calls of each of `steps`, after `warmup` untimed rounds;
+    `before` runs ahead of each call, untimed (a barrier, so that both ranks start together).
+
+    The steps take turns: each round calls every step once. Timed one after the other
+    instead (all of the first, then all of the second, ...), a busy moment of the machine
+    falls on some steps and not on the others: a run of the suite measured its small
+    messages during one and its large ones after it, and the line through them fell."""
+    times: list[list[float]] = [[] for _ in steps]
     for i in range(warmup + iters):
-        before()
-        start = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return min(times)
+        for step, took in zip(steps, times, strict=True):
+            before()
+            start = time.perf_counter()
+            step()
+            if i >= warmup:
+                took.append(time.perf_counter() - start)
+    return [min(took) for took in times]
 
 
 def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[float]:
     """Run on every rank: ranks 0 and 1 bounce a message of each size; the others wait.
 
     Returns, on every rank, the one-way time for each size: the fastest of `iters` round
-    trips, halved. One message is in flight at a time, in one direction: what the α–β
-    model's α + m·β describes. Other work on the machine only ever adds time to a round
-    trip, so the fastest is the best estimate of what the messages themselves cost (on a
-    busy machine a median measures the load: a round trip that waits for a time slice
-    takes milliseconds, however small its message).
+    trips, halved, the sizes taking turns (each round bounces every size once, so that a
+    busy moment of the machine slows every size alike, not the ones timed then). One message
+    is in flight at a time, in one direction: what the α–β model's α + m·β describes. Other
+    work on the machine only ever adds time to a round trip, so the fastest is the best
+    estimate of what the messages themselves cost (on a busy machine a median measures the
+    load: a round trip that waits for a time slice takes milliseconds, however small its
+    message).
     """
     import torch
     import torch.distributed as dist
@@ -125,31 +140,30 @@ def ping_pong(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[fl
     rank = dist.get_rank()
     if dist.get_world_size() < 2:
         raise ValueError("ping_pong needs two ranks: use a pool of 2 or more")
-    times = []
-    for size in sizes:
-        buffer = torch.zeros(max(size, 1), dtype=torch.uint8)
 
-        def bounce(buffer=buffer):
+    def bounce(buffer):
+        def step():
             if rank == 0:
                 dist.send(buffer, 1)
                 dist.recv(buffer, 1)
             elif rank == 1:
                 dist.recv(buffer, 0)
                 dist.send(buffer, 0)
+        return step
 
-        times.append(_fastest(bounce, iters, warmup) / 2)
-    return _shared(times)
+    steps = [bounce(torch.zeros(max(size, 1), dtype=torch.uint8)) for size in sizes]
+    return _shared([t / 2 for t in _fastest_in_turns(steps, iters, warmup)])
 
 
 def exchange(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[float]:
     """Run on every rank: ranks 0 and 1 *swap* a message of each size, both directions at
     once (isend and irecv, then wait on both), as every step of a ring does.
 
-    Returns, on every rank, the fastest of `iters` swaps (as `ping_pong`, for the same
-    reason). On a full-duplex link, which the
-    α–β model assumes, it equals the one-way time of `ping_pong`: sending and receiving at
-    once costs no more than sending. Where the same cores copy both directions (two
-    processes on one machine), it costs more, and the ratio says how much.
+    Returns, on every rank, the fastest of `iters` swaps, the sizes taking turns (as
+    `ping_pong`, for the same reasons). On a full-duplex link, which the α–β model assumes,
+    it equals the one-way time of `ping_pong`: sending and receiving at once costs no more
+    than sending. Where the same cores copy both directions (two processes on one machine),
+    it costs more, and the ratio says how much.
     """
     import torch
     import torch.distributed as dist
@@ -157,19 +171,19 @@ def exchange(sizes: Sequence[int], iters: int = 20, warmup: int = 3) -> list[flo
     rank = dist.get_rank()
     if dist.get_world_size() < 2:
         raise ValueError("exchange needs two ranks: use a pool of 2 or more")
-    times = []
-    for size in sizes:
-        out = torch.zeros(max(size, 1), dtype=torch.uint8)
+
+    def swap(out):
         into = torch.empty_like(out)
 
-        def swap(out=out, into=into):
+        def step():
             if rank < 2:
                 requests = [dist.isend(out, 1 - rank), dist.irecv(into, 1 - rank)]
                 for request in requests:
                     request.wait()
+        return step
 
-        times.append(_fastest(swap, iters, warmup, before=dist.barrier))
-    return _shared(times)
+    steps = [swap(torch.zeros(max(size, 1), dtype=torch.uint8)) for size in sizes]
+    return _shared(_fastest_in_turns(steps, iters, warmup, before=dist.barrier))
 
 
 def _runner(algorithm: str):

@@ -20,6 +20,9 @@ def test_the_fit_recovers_alpha_and_beta_from_a_line():
         costmodel.fit([8, 8], [1e-5, 1e-5])
     with pytest.raises(ValueError, match="at least two"):
         costmodel.fit([8], [1e-5])
+    # times that fall with the size measure the machine, not the messages: no β from them
+    with pytest.raises(ValueError, match="do not grow with the message size"):
+        costmodel.fit([1 << 10, 1 << 22], [2e-3, 1e-3])
 
 
 def test_predictions_count_each_algorithms_steps_and_bytes():

@@ -11,6 +11,8 @@
   `pytest -n 2`), each numbering its jobs from 1;
 - chapter 7a's dead rank under TORCH_DISTRIBUTED_DEBUG=DETAIL, whose row of the table must
   read the same every time;
+- chapters 8a and 10d's α and β, fitted to a ping-pong whose sizes take turns, and for the
+  record the same ping-pong timing one size after the other, whose line once fell in CI;
 - the browser test's lab start, until the notebook's first cell has run;
 - and, for the record, the hazard chapter 2 teaches: ranks that leave a group right after
   `init_process_group`, beside the same ranks leaving after a barrier.
@@ -306,6 +308,56 @@ def test_chapter_7a_a_dead_rank_under_detail(load, tally):
 
         row.run(once)
     assert row.failed == 0, row.failures
+
+
+def _ping_pong_one_size_after_another(sizes, iters=10, warmup=3) -> list[float]:
+    """`costmodel.ping_pong` as it was until 2026-12-07: every round trip of one size, then
+    every one of the next (the hazard; the kit's sizes take turns)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ddplab import costmodel
+
+    rank, best = dist.get_rank(), []
+    for size in sizes:
+        buffer, took = torch.zeros(size, dtype=torch.uint8), []
+        for i in range(warmup + iters):
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            if i >= warmup:
+                took.append((time.perf_counter() - start) / 2)
+        best.append(min(took))
+    return costmodel._shared(best)
+
+
+@pytest.mark.parametrize("order", ["sizes in turns", "one size after another"])
+def test_alpha_and_beta_from_a_ping_pong(load, tally, order):
+    """Chapter 10d's `cpu.link` (chapter 8a's fit of a ping-pong between two ranks): the line
+    through the times must rise. Timed one size after another, a busy moment that fell on
+    the small messages alone made it fall, and 10d's 1/β divided by zero (CI, 2026-12-07)."""
+    from ddplab import costmodel
+    from ddplab.planning import cpu
+
+    row = tally(f"chapters 8a, 10d: α and β fitted to a ping-pong of 1 KiB to 4 MiB, {order}",
+                300, reference=order != "sizes in turns")
+    sizes = tuple(1 << k for k in range(10, 23, 2))
+    with Pool(2, quiet=True) as pool:
+        def once() -> None:
+            if row.reference:
+                costmodel.fit(sizes, pool.run(_ping_pong_one_size_after_another, sizes)[0])
+            else:
+                assert pool.run(cpu.link)[0]["beta"] > 0
+
+        row.run(once)
+    if not row.reference:
+        assert row.failed == 0, row.failures
 
 
 @pytest.mark.browser
