@@ -655,12 +655,16 @@ SCRIPT_EPOCHS = 2
 default (batch 32 per rank, Adam with lr 2e-3, seed 0, the shipped sample)."""
 SCRIPT_RANKS = 2
 SCRIPT_TIMEOUT_FACTOR = 4.0
-SCRIPT_MIN_TIMEOUT = 60.0
+SCRIPT_MIN_TIMEOUT = 30.0
 """The learner's script may run SCRIPT_TIMEOUT_FACTOR times as long as ddplab.train's own
 run took on this machine (10 to 30 s on 2 busy cores; made once per kernel, the first time
 a check needs it), and never less than SCRIPT_MIN_TIMEOUT seconds: a hang is caught in a
-minute or two, a slow machine is no hang."""
+minute or so, a slow machine is no hang. Both count from the moment every rank has started
+the script (`_wait`), not from torchrun's start: importing torch, which comes first, once
+took a loaded CI machine more than 40 s, and that is no hang of the learner's."""
 REFERENCE_TIMEOUT = 300.0  # ddplab.train itself does not hang; this only bounds a broken set-up
+START_TIMEOUT = 300.0  # ranks that never reach the script (torch's import stuck): a broken set-up
+POLL = 0.5  # seconds between looks at the ranks' traces, until every rank has started the script
 STACK_WAIT = 2.0  # seconds a hung rank gets to write its stack (SIGUSR1) before it is stopped
 CHECKPOINT = "checkpoint.pt"
 
@@ -703,15 +707,48 @@ def _read_trace(path) -> list[dict]:
     return events
 
 
+def _every_rank_ready(traces) -> bool:
+    return all(any(e["event"] == "ready" for e in _read_trace(traces / f"rank{rank}.jsonl"))
+               for rank in range(SCRIPT_RANKS))
+
+
+def _wait(process, traces, timeout: float,
+          longer: Callable[[], float] | None) -> tuple[str, str]:
+    """`process.communicate()`, given `timeout` seconds (or `longer()`, see `_torchrun`) from
+    the moment every rank has started the script (the probe's "ready" event, noted after
+    torch's import), and START_TIMEOUT from the start to get there. TimeoutExpired if not.
+    communicate() may be called again after a timeout: it goes on collecting."""
+    import subprocess
+    import time
+
+    started = time.monotonic()
+    while True:
+        try:
+            return process.communicate(timeout=POLL)
+        except subprocess.TimeoutExpired:
+            if _every_rank_ready(traces):
+                break
+            if time.monotonic() - started > START_TIMEOUT:
+                raise
+    ready = time.monotonic()
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if longer is None:
+            raise
+        return process.communicate(timeout=max(0.0, longer() - (time.monotonic() - ready)))
+
+
 def _torchrun(target: list[str], folder, timeout: float,
               longer: Callable[[], float] | None = None) -> _Run:
     """Run `target` under the probe with real torchrun (this Python's), in `folder`.
 
     The output is captured; on a timeout each rank is asked for its stack (SIGUSR1), then
     torchrun and every process it started are stopped, so nothing outlives the check.
-    `longer`, when given, is asked for the real deadline (seconds from the start) only if
-    the run outlasts `timeout`: a deadline that costs something to know (ddplab.train's
-    own time) is then worked out only for a run that needs it.
+    `timeout` counts from the moment every rank has started the script (`_wait`).
+    `longer`, when given, is asked for the real deadline (seconds, counted the same way)
+    only if the run outlasts `timeout`: a deadline that costs something to know
+    (ddplab.train's own time) is then worked out only for a run that needs it.
     """
     import contextlib
     import os
@@ -736,14 +773,7 @@ def _torchrun(target: list[str], folder, timeout: float,
                                stderr=subprocess.PIPE, start_new_session=True)
     stacks: dict[int, str] = {}
     try:
-        try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            if longer is None:
-                raise
-            # communicate() may be called again after a timeout: it goes on collecting.
-            out, err = process.communicate(
-                timeout=max(0.0, longer() - (time.monotonic() - started)))
+        out, err = _wait(process, traces, timeout, longer)
         returncode: int | None = process.returncode
     except subprocess.TimeoutExpired:
         returncode = None
@@ -890,8 +920,9 @@ def check_ddp_script(attempt) -> str:
 
 
 def _script_deadline() -> float:
-    """How long the learner's script may run: SCRIPT_TIMEOUT_FACTOR times ddplab.train's
-    own run on this machine, and never less than SCRIPT_MIN_TIMEOUT seconds."""
+    """How long the learner's script may run once every rank has started it:
+    SCRIPT_TIMEOUT_FACTOR times ddplab.train's own run on this machine, and never less than
+    SCRIPT_MIN_TIMEOUT seconds."""
     return max(SCRIPT_MIN_TIMEOUT, SCRIPT_TIMEOUT_FACTOR * _reference()[0].seconds)
 
 
@@ -903,8 +934,9 @@ def _judge_run(run: _Run, source: str, script: str) -> None:
         deadline, took = _script_deadline(), _reference()[0].seconds
         where = "; ".join(f"rank {r} {_where_stuck(run.stacks.get(r, ''), script, source)}"
                           for r in ranks_ if r in run.stacks) or "no rank said where it was"
-        raise NotYet(f"your script did not finish within {deadline:.0f} s under torchrun "
-                     f"(ddplab.train's run took {took:.0f} s), so it was stopped: {where}.",
+        raise NotYet(f"your script did not finish within {deadline:.0f} s of starting on "
+                     f"every rank under torchrun (ddplab.train's whole run took {took:.0f} s), "
+                     f"so it was stopped: {where}.",
                      "a rank waiting in a collective (barrier, all_reduce) waits for every "
                      "other rank to make the same call: a call inside `if rank == 0:` leaves "
                      "rank 0 waiting for the others forever.")

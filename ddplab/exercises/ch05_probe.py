@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     trace = _Trace(trace_dir / f"rank{rank}.jsonl")
     trace("start", pid=os.getpid(), rank=rank)
     done = install(trace, reference=target[0] == "-m")
+    trace("ready")  # torch imported and wrapped: the script starts now (the checker's clock)
     status = 0
     try:
         if target[0] == "-m":
