@@ -41,12 +41,15 @@ def test_measure_fits_this_cpu() -> None:
 
 
 def test_cli_plans_with_the_calibration() -> None:
-    done = _cli("--calibrate", "cpu", *SMALL)
+    """One run (a calibration is some 8 s of CPU): with --json the calibration's table goes
+    to standard error, so that standard output is the plan's JSON alone, made with it.
+    (Without --json the same table goes to standard output, then the plan's table.)"""
+    done = _cli("--calibrate", "cpu", "--json", *SMALL)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("this CPU: a GFLOP") and "tokens/s" in done.stdout
-    quiet = _cli("--calibrate", "cpu", "--json", *SMALL)
-    assert quiet.returncode == 0 and "a GFLOP of matmul takes" in quiet.stderr
-    assert json.loads(quiet.stdout)["cluster"]["source"] == "ddplab plan --calibrate on cpu"
+    assert "this CPU: a GFLOP of matmul takes" in done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["cluster"]["source"] == "ddplab plan --calibrate on cpu"
+    assert plan["feasible"] and plan["tokens_per_s"] > 0
 
 
 @pytest.mark.parametrize(("args", "line"), [
