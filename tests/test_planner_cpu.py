@@ -17,9 +17,13 @@ from ddplab import Pool
 from ddplab.planner import CATEGORIES, Cluster, calibrated, plan
 from ddplab.planning import cpu
 
-# A pool and seven timed rounds: not for `make quick`. CI's pass 2 runs it on the simulated
-# older CPU (the CPU model's layouts, by hand, timed on its kernels), in place of chapter 10d.
-pytestmark = [pytest.mark.slow, pytest.mark.cpu_kernels]
+# A pool and seven timed rounds: not for `make quick`. CI's pass 2 runs the tests marked
+# cpu_kernels on the simulated older CPU, in place of chapter 10d: the CPU model's layouts
+# by hand against the unsharded model, and their memory, on that CPU's kernels. Not the step
+# times: under ATEN_CPU_CAPABILITY=default (no AVX2) TP's step came out at 0.69 to 0.79 of
+# its prediction (3 of 4 runs outside ±25 %, 2026-12-07; benchmarks/RESULTS.md, "The
+# planner on this machine"), where this machine's own kernels give about 0.87.
+pytestmark = pytest.mark.slow
 
 SHAPE, BATCH, LAYOUTS = cpu.SHAPE, cpu.BATCH, cpu.layouts(2)
 ROUNDS = 7  # the fastest of 7: a loaded machine only ever adds time
@@ -65,6 +69,7 @@ def _tp_against_the_unsharded_model():
             "finite": all(torch.isfinite(p.grad).all().item() for p in sharded.parameters())}
 
 
+@pytest.mark.cpu_kernels
 def test_tp_by_hand_is_the_unsharded_model(pool):
     """The TP layout the checks time is chapter 10a's TP by hand, with a vocabulary-parallel
     embedding and loss: it must compute what the unsharded model computes."""
@@ -99,6 +104,7 @@ def _pp_against_the_unsharded_model():
             "in_flight": model.record.peak_in_flight}
 
 
+@pytest.mark.cpu_kernels
 def test_pp_by_hand_is_the_unsharded_model(pool):
     """The PP layout the checks measure is chapter 10b's pipeline (`pp.split` into whole
     layers, the embedding on the first stage and the logit layer on the last,
@@ -113,6 +119,7 @@ def test_pp_by_hand_is_the_unsharded_model(pool):
     assert abs(last["loss"] - last["reference"]) < 1e-5, last
 
 
+@pytest.mark.cpu_kernels
 def test_memory_per_rank_is_the_plans_within_5_percent(pool):
     cluster = Cluster.measured(1e-5, 1e-9, 1e10, 1 << 34)
     for name, layout in LAYOUTS.items():
