@@ -140,26 +140,28 @@ NEEDS_LAUNCHERS = {"06b_launchers_clusters.ipynb"}
 """Chapters that start a real Slurm cluster and mpirun."""
 
 FILE_SECONDS = {
-    "test_exercise_ddp_script.py": 161, "06a_launchers_torchrun.ipynb": 100,
-    "test_exercise_verdicts.py": 64, "07a_debugging_collectives.ipynb": 61,
-    "06b_launchers_clusters.ipynb": 80, "test_exercises.py": 45, "05_ddp_mnist.ipynb": 39,
-    "test_pool.py": 37, "test_launchers.py": 34, "01_processes_and_ranks.ipynb": 28,
-    "test_train.py": 25, "10d_planning.ipynb": 25, "09b_fsdp.ipynb": 21, "test_kernel.py": 20,
-    "02_init_methods_and_backends.ipynb": 19, "test_browser.py": 16,
-    "08b_under_the_hood_ddp.ipynb": 16, "test_doctor.py": 15, "10b_pipeline_parallel.ipynb": 15,
-    "09a_sharding_by_hand.ipynb": 13, "07b_debugging_ddp.ipynb": 13,
-    "03_point_to_point.ipynb": 11, "08a_under_the_hood_ring.ipynb": 11, "test_calibrate.py": 11,
-    "test_kernels.py": 11, "test_bench.py": 10, "04b_collectives_in_practice.ipynb": 10,
-    "test_faults.py": 10, "10c_context_experts_2d.ipynb": 9, "test_project.py": 9,
-    "10a_tensor_parallel.ipynb": 8, "test_planner.py": 8, "test_planner_cpu.py": 8,
-    "test_sharding.py": 7, "00_welcome.ipynb": 5, "04a_collectives.ipynb": 5,
-    "test_widgets.py": 5, "test_launch.py": 4, "test_viz.py": 4, "test_pp.py": 3,
-    "test_ep.py": 3, "test_tp.py": 3, "test_tracebacks.py": 2, "test_classroom.py": 2,
-    "test_data.py": 1, "test_viz_memory.py": 1, "test_viz_placements.py": 1,
-    "test_costmodel.py": 1, "test_ring.py": 1, "test_viz_routing.py": 1,
+    "test_exercise_ddp_script.py": 153, "06a_launchers_torchrun.ipynb": 147,
+    "06b_launchers_clusters.ipynb": 112, "05_ddp_mnist.ipynb": 74,
+    "test_exercise_verdicts.py": 71, "07a_debugging_collectives.ipynb": 67,
+    "test_launchers.py": 47, "test_exercises.py": 46, "test_pool.py": 41, "test_train.py": 40,
+    "10d_planning.ipynb": 33, "09b_fsdp.ipynb": 25, "test_kernel.py": 24,
+    "01_processes_and_ranks.ipynb": 23, "02_init_methods_and_backends.ipynb": 19,
+    "07b_debugging_ddp.ipynb": 19, "08a_under_the_hood_ring.ipynb": 17,
+    "10b_pipeline_parallel.ipynb": 17, "test_doctor.py": 16, "test_browser.py": 15,
+    "09a_sharding_by_hand.ipynb": 15, "08b_under_the_hood_ddp.ipynb": 15,
+    "test_calibrate.py": 15, "test_kernels.py": 13, "test_planner.py": 12, "test_bench.py": 11,
+    "04b_collectives_in_practice.ipynb": 11, "test_project.py": 11,
+    "10a_tensor_parallel.ipynb": 11, "10c_context_experts_2d.ipynb": 10,
+    "03_point_to_point.ipynb": 10, "test_sharding.py": 10, "test_planner_cpu.py": 9,
+    "test_faults.py": 8, "00_welcome.ipynb": 6, "test_launch.py": 6, "test_pp.py": 5,
+    "04a_collectives.ipynb": 5, "test_ep.py": 4, "test_widgets.py": 4, "test_viz.py": 3,
+    "test_tp.py": 3, "test_tracebacks.py": 2, "test_classroom.py": 2, "test_data.py": 1,
+    "test_viz_memory.py": 1, "test_viz_placements.py": 1, "test_costmodel.py": 1,
+    "test_ring.py": 1, "test_viz_routing.py": 1,
 }
 """Each file's test time, in seconds: pass 1 of a clean-clone `.ci/run` (the whole suite,
-`--durations=0`, on two otherwise idle cores, 2026-12-06); only their order matters.
+`--durations=0`, on two otherwise idle cores, the mean of two runs of 2026-12-07); only
+their order matters.
 pytest-xdist (`--dist loadfile`) hands each worker a whole file at a time, in the order
 they are collected; started longest first, the long files cannot end up running alone at
 the end while the other worker idles (this cut the suite's wall time by a tenth when it
