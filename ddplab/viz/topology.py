@@ -595,6 +595,6 @@ def show_leftover(notes: Sequence[tuple[str, object, int]], reads: Sequence[tupl
                 fontsize=FONT + 1, fontweight="bold")
         canvas.arrow((x_live - 0.05, y), (file_right + 0.05, middle(row_of[str(key)])), color)
     ax.text(width / 2, foot - 0.22, "each rank of run 2 looks up its neighbour's address and "
-            "gets one at once: a dead process's", ha="center", va="center",
+            "gets one at once: the address of a dead process", ha="center", va="center",
             fontsize=FONT - 1, color="#333333")
     return canvas.fig
