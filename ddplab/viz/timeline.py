@@ -170,7 +170,7 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
     them. A cell is the collective that rank issued under that number, in the rank's
     colour; a white cell means the rank never issued it. A row where the ranks issued
     different collectives is framed in red: the first such row is where the bug is.
-    Hatched cells never completed.
+    Hatched cells never completed. The legend names only what the picture draws.
     """
     if isinstance(records, Mapping):
         raise TypeError("show_flight draws the ranks' records, not their dumps: pass "
@@ -190,12 +190,15 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
         ax.text(x + col / 2, height - top + 0.12, f"rank {record.rank}", ha="center",
                 va="bottom", fontsize=FONT + 1, fontweight="bold",
                 color=text_color(rank_color(record.rank)))
+    drawn: set[str] = set()  # what the legend names: "open", "disagree", "empty", "done"
     for i, seq in enumerate(seqs):
         y = height - top - (i + 1) * row
         ax.text(left - 0.1, y + row / 2, f"#{seq}", ha="right", va="center", fontsize=FONT)
         seen = set()
         for j, record in enumerate(records):
             x, entry = left + j * col, record.at(seq)
+            drawn.add("empty" if entry is None else "open" if seq > record.last_completed
+                      else "done")
             if entry is None:
                 ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1, fc=EMPTY,
                                        ec="#BBBBBB", ls="--", lw=0.8))
@@ -215,11 +218,14 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
                     bbox={"fc": "white", "ec": "none", "alpha": 0.7, "pad": 1} if not done
                     else None)
         if len(seen) > 1:
+            drawn.add("disagree")
             ax.add_patch(Rectangle((left, y + 0.02), col * len(records), row - 0.04,
                                    fill=False, ec="#C00000", lw=2.2))
-    handles = [Patch(fc="white", ec="#555555", hatch="///", label="issued, never completed"),
-               Patch(fc="white", ec="#C00000", lw=2, label="the ranks disagree"),
-               Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="never issued")]
+    legend = {"open": Patch(fc="white", ec="#555555", hatch="///",
+                            label="issued, never completed"),
+              "disagree": Patch(fc="white", ec="#C00000", lw=2, label="the ranks disagree"),
+              "empty": Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="never issued")}
+    handles = [patch for kind, patch in legend.items() if kind in drawn]
     ax.legend(handles=handles, loc="lower left", ncol=3, frameon=False, fontsize=FONT - 1,
               bbox_to_anchor=(0.0, 0.0), handlelength=1.5, columnspacing=1.2)
     return canvas.fig
