@@ -190,16 +190,15 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
         ax.text(x + col / 2, height - top + 0.12, f"rank {record.rank}", ha="center",
                 va="bottom", fontsize=FONT + 1, fontweight="bold",
                 color=text_color(rank_color(record.rank)))
-    drawn: set[str] = set()  # what the legend names: "open", "disagree", "empty", "done"
+    drawn: set[str] = set()  # the legend's entries the picture uses
     for i, seq in enumerate(seqs):
         y = height - top - (i + 1) * row
         ax.text(left - 0.1, y + row / 2, f"#{seq}", ha="right", va="center", fontsize=FONT)
         seen = set()
         for j, record in enumerate(records):
             x, entry = left + j * col, record.at(seq)
-            drawn.add("empty" if entry is None else "open" if seq > record.last_completed
-                      else "done")
             if entry is None:
+                drawn.add("empty")
                 ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1, fc=EMPTY,
                                        ec="#BBBBBB", ls="--", lw=0.8))
                 ax.text(x + col / 2, y + row / 2, "never issued", ha="center", va="center",
@@ -210,6 +209,7 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
             ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1,
                                    fc=tint(rank_color(record.rank)), ec="none"))
             if not done:
+                drawn.add("open")
                 ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1, fill=False,
                                        hatch="///", ec=text_color(rank_color(record.rank)), lw=0))
             shape = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in entry.sizes)

@@ -310,31 +310,12 @@ def test_chapter_7a_a_dead_rank_under_detail(load, tally):
     assert row.failed == 0, row.failures
 
 
-def _ping_pong_one_size_after_another(sizes, iters=10, warmup=3) -> list[float]:
-    """`costmodel.ping_pong` as it was until 2026-12-07: every round trip of one size, then
-    every one of the next (the hazard; the kit's sizes take turns)."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
+def _ping_pong_one_size_after_another(sizes) -> list[float]:
+    """`costmodel.ping_pong` as it timed until 2026-12-07: every round trip of one size, then
+    every one of the next (the hazard), here as one call of it per size."""
     from ddplab import costmodel
 
-    rank, best = dist.get_rank(), []
-    for size in sizes:
-        buffer, took = torch.zeros(size, dtype=torch.uint8), []
-        for i in range(warmup + iters):
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buffer, 1)
-                dist.recv(buffer, 1)
-            else:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
-            if i >= warmup:
-                took.append((time.perf_counter() - start) / 2)
-        best.append(min(took))
-    return costmodel._shared(best)
+    return [costmodel.ping_pong([size], iters=10)[0] for size in sizes]
 
 
 @pytest.mark.parametrize("order", ["sizes in turns", "one size after another"])
