@@ -179,6 +179,56 @@ def test_flight_verdicts_name_who_is_behind():
     assert flight.verdict({0: dump([1], 1)}) == ""
 
 
+def test_flight_verdicts_read_every_group_apart():
+    """Sequence numbers count per group: a rank missing from one group may be waiting in
+    another, and the verdict says what each group shows. Ranks 0..3, pairs {0, 1} and
+    {2, 3} (groups "1" and "2"); rank 3 skipped its pair's all_reduce."""
+    from ddplab.pool.protocol import FLIGHT_GROUPS
+
+    def dump(rank, issued):  # issued: (group, pg_id, seq) of each collective, in order
+        groups = {"0": [0, 1, 2, 3], ("1" if rank < 2 else "2"): [0, 1] if rank < 2 else [2, 3]}
+        return {"entries": [{"collective_seq_id": seq, "profiling_name": "gloo:all_reduce",
+                             "input_sizes": [[2]], "process_group": [group, ""],
+                             "pg_id": pg_id} for group, pg_id, seq in issued],
+                "pg_status": {str(pg_id): {"last_enqueued_collective": str(seq),
+                                           "last_completed_collective": "-1"}
+                              for _, pg_id, seq in issued},
+                FLIGHT_GROUPS: groups}
+
+    dumps = {0: dump(0, [("1", 1, 1), ("0", 0, 1)]), 1: dump(1, [("1", 1, 1), ("0", 0, 1)]),
+             2: dump(2, [("2", 1, 1)]), 3: dump(3, [("0", 0, 1)])}
+    assert flight.members(dumps) == {"0": [0, 1, 2, 3], "1": [0, 1], "2": [2, 3]}
+    assert flight.verdict(dumps) == (
+        "the ranks' flight recorders, group by group: in the default group, ranks 0, 1 and "
+        "3 are waiting in collective #1 (all_reduce), which rank 2 never issued (it issued "
+        "none); in group 2 (ranks 2 and 3), rank 2 is waiting in collective #1 "
+        "(all_reduce), which rank 3 never issued (it issued none).")
+    assert flight.table(dumps, group="2").splitlines()[1].split() == ["1", "all_reduce([2])",
+                                                                       "-"]
+    with pytest.raises(ValueError, match=r"no process group named '7'.*'0', '1', '2'"):
+        flight.table(dumps, group="7")
+
+
+def _pairs_skip():
+    """Four ranks in pairs {0, 1} and {2, 3}; rank 3 skips its pair's all_reduce."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    x = torch.ones(2)
+    if rank != 3:
+        dist.all_reduce(x, group=pairs[rank // 2])
+    dist.all_reduce(x)
+
+
+@pytest.mark.slow
+def test_a_hang_in_a_subgroup_is_reported_group_by_group():
+    with Pool(4, timeout=30) as p, pytest.raises(RankError) as info:
+        p.run(_pairs_skip, timeout=2)
+    err = info.value
+    assert flight.members(err.flight) == {"0": [0, 1, 2, 3], "1": [0, 1], "2": [2, 3]}
+    assert ("in group 2 (ranks 2 and 3), rank 2 is waiting in collective #1 (all_reduce), "
+            "which rank 3 never issued") in str(err)
+
+
 def test_bad_faults_are_refused(pool):
     with pytest.raises(ValueError, match="unknown fault 'typo': choose one of skip, shape"):
         faults.attempt(pool, "typo")

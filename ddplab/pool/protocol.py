@@ -11,7 +11,9 @@ A rank has four channels from the kernel (see `kernel/processes.py` for how they
 - the **control** channel is answered by a thread of the rank, so the kernel can ask where
   a rank is while its main thread is blocked: `STACKS` -> `(busy, threads)`, whether the
   rank is still in a call, and a list of `errors.ThreadStack`, the main thread first;
-  `FLIGHT` -> the rank's flight recorder dump (torch's JSON text), or None.
+  `FLIGHT` -> the rank's flight recorder dump (torch's JSON text), or None; the rank adds
+  its process groups, name -> global ranks, under the key `FLIGHT_GROUPS` (gloo's dump
+  leaves its table of groups empty, and a hang in a subgroup cannot be read without it).
 - **stdout** and **stderr** are pipes; after each call the rank writes `marker(call_id)`
   into both, so the kernel knows when a call's output is complete (see `kernel/output.py`).
 
@@ -29,6 +31,7 @@ CALL, EXIT = "call", "exit"
 OK, ERR, EVENT = "ok", "err", "event"
 STACKS = "stacks"
 FLIGHT = "flight"
+FLIGHT_GROUPS = "ddplab_groups"
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ def _answer_control(ctl: Connection) -> None:
     threading.Thread(target=serve, name="ddplab-control", daemon=True).start()
 
 
-def _flight_record() -> bytes | None:
+def _flight_record() -> str | None:
     """This process's flight recorder dump (see `ddplab.flight`), taken while a call may hang.
 
     NCCL keeps a recorder of its own (`_dump_nccl_trace_json`, in torch 2.11 and 2.13's
@@ -130,10 +130,30 @@ def _flight_record() -> bytes | None:
         if dump is None:
             continue
         try:
-            return dump()
+            return _with_groups(dump())
         except Exception:
             continue
     return None
+
+
+def _with_groups(dump: bytes | str) -> str:
+    """The dump with this rank's process groups added, name -> global ranks.
+
+    An entry names its group ("2"), and the dump's table of groups (`pg_config`) should
+    say which ranks that group has: NCCL's does, gloo's is empty in torch 2.13. A rank that
+    never issued a collective in a group leaves no trace of its membership, yet it is the
+    one a hang in that group waits for; so the kit writes the membership down
+    (`protocol.FLIGHT_GROUPS`), as torch's own list of groups holds it.
+    """
+    import json
+
+    from torch.distributed.distributed_c10d import _world
+
+    record = json.loads(dump)
+    record[protocol.FLIGHT_GROUPS] = {
+        name: sorted(_world.pg_group_ranks.get(group, {})) for group, name in
+        list(_world.pg_names.items())}
+    return json.dumps(record)
 
 
 def _fresh_main_module() -> None:
