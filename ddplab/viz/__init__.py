@@ -12,12 +12,13 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
 - tensors (`tensors`): `show_ranks`, `show_before_after`, `show_steps`, `show_transfers`,
   `show_inbox`: each rank's tensor, before and after, with arrows for what moved;
   `show_ring`: a ring all-reduce, a row per step;
-- topology (`topology`): `show_cluster`, `show_launch`, `show_store`, `show_rendezvous`,
-  `show_mesh`: nodes and their devices, processes as a launcher placed them, a rendezvous
-  store, the rendezvous itself, a 2-D mesh;
-  `show_leftover`: a store left over by a dead run, and the next run reading it;
-  `show_agents`, `show_nesting`: torchrun's agents, workers and store, and launchers
-  started inside launchers, with the variable that traps a script drawn in red;
+- topology (`topology`): `show_cluster`, `show_launch`, `show_mesh`: nodes and their
+  devices, processes as a launcher placed them, a 2-D mesh; `show_agents`,
+  `show_nesting`: torchrun's agents, workers and store, and launchers started inside
+  launchers, with the variable that traps a script drawn in red;
+- rendezvous (`rendezvous`): `show_store`, `show_rendezvous`, `show_leftover`: a store's
+  keys, the rendezvous drawn from the ranks' sockets, and a store left over by a dead run
+  read by the next one;
 - data (`data`): `show_digits`, `show_sampler`, `show_deal`: MNIST digits, a sampler's
   split, and how it deals the shuffled, padded indices out;
 - time (`timeline`): `show_timeline` (with `Span`), `show_flight`: what each rank did when,
@@ -73,6 +74,7 @@ from ddplab.viz.palette import COMBINED, EMPTY, PALETTE, line_color, rank_color,
 from ddplab.viz.placements import show_tp_flow
 from ddplab.viz.plans import show_plan
 from ddplab.viz.png import png_bytes, screen_size
+from ddplab.viz.rendezvous import show_leftover, show_rendezvous, show_store
 from ddplab.viz.routing import show_expert_load, show_routing
 from ddplab.viz.schedules import idle_share, show_schedule
 from ddplab.viz.shards import show_dtensor, show_shards
@@ -95,11 +97,8 @@ from ddplab.viz.topology import (
     show_agents,
     show_cluster,
     show_launch,
-    show_leftover,
     show_mesh,
     show_nesting,
-    show_rendezvous,
-    show_store,
 )
 
 __all__ = [

@@ -120,11 +120,12 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int | None, float
                                      number(key[0])) if lanes_first else
                                     (number(key[0]), seen.index(key) if key in seen else 0)))
     named = any(lane for _, lane in lanes)
+    waits = any(s.waiting for s in spans)  # then a legend says what the hatch means
     lane, left, right = 0.55, 0.9 + (1.0 if named else 0), 1.9  # right: room for marks' text
     axis = MAX_WIDTH - left - right  # the time axis takes what the page leaves
     scale = axis / max(t1 - t0, 1e-9)
     top = 0.25 + (0.35 if title else 0)
-    width, height = left + axis + right, top + lane * len(lanes) + 0.75
+    width, height = left + axis + right, top + lane * len(lanes) + 0.75 + (0.25 if waits else 0)
     canvas = Canvas(width, height, CELL, title)
     ax = canvas.ax
 
@@ -156,8 +157,20 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int | None, float
         ax.plot([x(t)], [y(rank) + lane / 2], marker="x", ms=9, mew=2.2, color="#C00000")
         ax.text(x(t) + 0.12, y(rank) + lane / 2, text, ha="left", va="center",
                 fontsize=FONT - 1, color="#C00000")
-    time_axis(ax, x, t0, t1, left, axis, height - top - lane * len(lanes) - 0.05, origin)
+    axis_y = height - top - lane * len(lanes) - 0.05
+    time_axis(ax, x, t0, t1, left, axis, axis_y, origin)
+    if waits:  # under the axis's numbers
+        ax.legend(handles=_legend(), loc="upper left", ncol=2, frameon=False,
+                  fontsize=FONT - 1, bbox_to_anchor=(left / width, (axis_y - 0.4) / height),
+                  handlelength=1.5, columnspacing=1.5, borderaxespad=0)
     return canvas.fig
+
+
+def _legend() -> list[Patch]:
+    """Solid and hatched, said once for every timeline: one hatch, one meaning."""
+    return [Patch(fc=tint("#777777", 0.35), ec="#777777", label="computing (solid)"),
+            Patch(fc=tint("#777777", 0.8), ec="#777777", hatch="///",
+                  label="waiting for a collective to finish (hatched)")]
 
 
 def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -> Figure:
@@ -344,10 +357,7 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None,
             ax.plot([middle, at + w / 2], [edge, text_y + (-0.08 if above else 0.08)],
                     color="#777777", lw=0.7)
     time_axis(ax, x, t0, t1, left, axis, y + 0.1)
-    handles = [Patch(fc=tint("#777777", 0.35), ec="#777777", label="computing (solid)"),
-               Patch(fc=tint("#777777", 0.8), ec="#777777", hatch="///",
-                     label="waiting for a collective to finish (hatched)")]
-    ax.legend(handles=handles, loc="lower left", ncol=2, frameon=False, fontsize=FONT - 1,
+    ax.legend(handles=_legend(), loc="lower left", ncol=2, frameon=False, fontsize=FONT - 1,
               bbox_to_anchor=(0.02, 0.0), handlelength=1.5, columnspacing=1.5)
     return canvas.fig
 
