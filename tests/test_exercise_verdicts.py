@@ -223,6 +223,52 @@ CHAPTER_1 = [
      "(node, local_rank) pairs", "go through the ranks in order"),
 ]
 
+def _preflight_right(addr, port, ifname, nnodes):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "notebooks" / "solutions"))
+    try:
+        import ch02
+    finally:
+        sys.path.pop(0)
+    return ch02.preflight(addr, port, ifname, nnodes)
+
+
+def _loopback_by_prefix(addr, port, ifname, nnodes):
+    """2.5, wrong: takes 127.0.0.x for the loopback, and misses Debian's 127.0.1.1."""
+    found = [p for p in _preflight_right(addr, port, ifname, nnodes) if "loopback" not in p]
+    import socket
+
+    try:
+        resolved = socket.gethostbyname(addr)
+    except OSError:
+        return found
+    return found + (["loopback: 127.0.0.x"] if nnodes > 1 and resolved.startswith("127.0.0.")
+                    else [])
+
+
+def _loopback_on_one_node(addr, port, ifname, nnodes):
+    """2.5, wrong: refuses the loopback even when every rank is on this machine."""
+    return _preflight_right(addr, port, ifname, 2)
+
+
+def _port_left_bound(addr, port, ifname, nnodes):
+    """2.5, wrong: tests the port with a socket it does not close, so the port stays taken
+    (here for 5 s, long enough for the check, which stops at the first case it sees)."""
+    import socket
+    import threading
+
+    probe = socket.socket()
+    try:
+        probe.bind(("", port))
+    except OSError:
+        probe.close()
+    else:
+        threading.Timer(5.0, probe.close).start()
+    return _preflight_right(addr, port, ifname, nnodes)
+
+
 CHAPTER_2 = [
     ("2.1", _local_rank_as_rank, "the processes passed rank= node 0 i=0 → 0, node 0 i=1 → 1, "
      "node 1 i=0 → 0, node 1 i=1 → 1: that is each process's number on its own node",
@@ -243,6 +289,14 @@ CHAPTER_2 = [
      "store.check([key]) asks without waiting"),
     ("2.4", _chapters_key_names, "your function found no note", "how this job named them"),
     ("2.4", _port_little_endian, "for rank ", "'>H'"),
+    ("2.5", lambda addr, port, ifname, nnodes: [], "preflight('127.0.0.1', a free port, None, "
+     "nnodes=2) found no problem; expected ['loopback'].", "is_loopback"),
+    ("2.5", _loopback_by_prefix, "preflight('127.0.1.1', a free port, None, nnodes=2) found "
+     "no problem; expected ['loopback']. 127.0.1.1 is a loopback address too", ""),
+    ("2.5", _loopback_on_one_node, "preflight('127.0.0.1', a free port, None, nnodes=1) found "
+     "['loopback']; expected no problem. On one node the loopback is the right address", ""),
+    ("2.5", _port_left_bound, "preflight('127.0.0.1', a free port, None, nnodes=1) found "
+     "['port']; expected no problem. The port is free: something your function opened", ""),
 ]
 
 

@@ -9,6 +9,9 @@
 2.4  who_came(store, world_size) -> {rank: "ip:port"}, from the store of a start-up that
      hangs because one rank never came: which ranks wrote gloo's note, and the address in
      each.
+2.5  preflight(master_addr, master_port, ifname, nnodes) -> the problems a multi-node
+     start-up would meet, found on rank 0's node before launching: a name that does not
+     resolve, a loopback address on several nodes, a port in use, an interface not there.
 """
 
 from __future__ import annotations
@@ -473,3 +476,107 @@ def check_who_came(who_came) -> str:
             "only, and each says where that rank listens for its peers. That is what you "
             "can learn about a start-up that hangs from the store alone, which a client can "
             "open at MASTER_ADDR:MASTER_PORT while the job waits.")
+
+
+# --- 2.5 ---------------------------------------------------------------------------------
+
+_PROBLEMS = ("resolve", "loopback", "port", "interface")
+_MISSING_INTERFACE = "ddplab9"  # no machine names an interface so
+
+
+def _held_port() -> tuple[socket.socket, int]:
+    """A port another program is listening on: a socket the check holds."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held, held.getsockname()[1]
+
+
+def _still_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _keywords(found, call: str) -> list[str]:
+    expect(isinstance(found, (list, tuple)),
+           f"{call} returned {found!r}; it should return a list of problems, each a string "
+           f"starting with its keyword ({', '.join(_PROBLEMS)}), or [] when all is well.")
+    words = []
+    for problem in found:
+        expect(isinstance(problem, str),
+               f"{call} returned {found!r}: each problem should be a string such as "
+               f"'port: 29500 is in use', not {type(problem).__name__}.")
+        word = problem.split(":", 1)[0].strip().lower()
+        expect(word in _PROBLEMS,
+               f"{call} returned the problem {problem!r}, which starts with none of the "
+               f"keywords {', '.join(_PROBLEMS)}.")
+        words.append(word)
+    return sorted(words)
+
+
+def _why_not(case: str, got: list[str], want: list[str]) -> str:
+    """What a wrong list of problems misses, for the case the check made."""
+    missing = [w for w in want if w not in got]
+    extra = [w for w in got if w not in want]
+    reasons = {
+        ("loopback", "127.0.1.1"): "127.0.1.1 is a loopback address too: the whole of "
+        "127.0.0.0/8 is (Debian's /etc/hosts maps a host name to it), and another node "
+        "that dials it dials itself.",
+        ("loopback", "localhost"): "'localhost' resolves to a loopback address: resolve the "
+        "name, then look at the addresses.",
+        ("loopback", "nnodes=1"): "On one node the loopback is the right address: every "
+        "rank is on this machine.",
+        ("port", "free"): "The port is free: something your function opened to test it may "
+        "still hold it.",
+    }
+    for word in missing + extra:
+        for (reason_word, where), reason in reasons.items():
+            if word == reason_word and where in case:
+                return reason
+    return ""
+
+
+@exercise("2.5", "A preflight check before a multi-node job", solution="preflight",
+          hint="socket.getaddrinfo resolves a name (socket.gaierror when it cannot); "
+               "ipaddress.ip_address(address).is_loopback knows every loopback address; a "
+               "socket bound to the port, then closed, tells whether it is free; "
+               "socket.if_nameindex() lists this machine's interfaces.")
+def check_preflight(preflight) -> str:
+    held, busy = _held_port()
+    try:
+        # The loopback interface: "lo" on Linux, "lo0" on macOS.
+        lo = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+        cases = [
+            (("127.0.0.1", None, None, 1), []),
+            (("127.0.0.1", None, None, 2), ["loopback"]),
+            (("127.0.1.1", None, None, 2), ["loopback"]),
+            (("localhost", None, None, 2), ["loopback"]),
+            (("no-such-node.invalid", None, None, 2), ["resolve"]),
+            (("127.0.0.1", busy, None, 1), ["port"]),
+            (("127.0.0.1", None, _MISSING_INTERFACE, 1), ["interface"]),
+            (("127.0.0.1", None, lo, 1), []),
+            (("127.0.1.1", busy, _MISSING_INTERFACE, 2), ["interface", "loopback", "port"]),
+        ]
+        for (addr, port, ifname, nnodes), want in cases:
+            port = free_port() if port is None else port
+            call = f"preflight({addr!r}, {'a busy port' if port == busy else 'a free port'}, " \
+                   f"{ifname!r}, nnodes={nnodes})"
+            got = _keywords(preflight(addr, port, ifname, nnodes), call)
+            if got != sorted(want):
+                case = f"{addr} nnodes={nnodes} {'busy' if port == busy else 'free'}"
+                why = _why_not(case, got, sorted(want))
+                raise NotYet(f"{call} found {got or 'no problem'}; expected "
+                             f"{sorted(want) or 'no problem'}." + (f" {why}" if why else ""))
+            if port != busy:
+                expect(_still_free(port),
+                       f"after {call} returned, port {port} was no longer free: close the "
+                       "socket you tested it with (a `with` block does).")
+    finally:
+        held.close()
+    return (f"all {len(cases)} cases found: a name that does not resolve, 127.0.0.1, "
+            "127.0.1.1 and 'localhost' on two nodes (but not on one), a port in use, an "
+            "interface this machine lacks, and three problems at once.")

@@ -4,6 +4,7 @@ One function per exercise, named as the exercise's `solution`; the test suite ch
 each passes its exercise's check.
 """
 
+import ipaddress
 import socket
 import struct
 
@@ -60,3 +61,28 @@ def who_came(store, world_size):
         port = struct.unpack_from(">H", address, 2)[0]
         came[int(last)] = f"{socket.inet_ntoa(address[4:8])}:{port}"
     return came
+
+
+def preflight(master_addr, master_port, ifname, nnodes):
+    """Exercise 2.5: on rank 0's node, before launching, the problems a start-up would meet.
+
+    A name that does not resolve; an address that is a loopback address when other nodes
+    must dial it; a port some program already holds; an interface name this machine lacks."""
+    problems = []
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(master_addr, master_port)}
+    except socket.gaierror as err:
+        problems.append(f"resolve: {master_addr!r} does not resolve ({err})")
+        addresses = set()
+    loopback = [a for a in addresses if ipaddress.ip_address(a.split("%")[0]).is_loopback]
+    if nnodes > 1 and loopback:
+        problems.append(f"loopback: {master_addr!r} is {sorted(loopback)[0]}, which every "
+                        "other node would dial as itself")
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", master_port))
+        except OSError as err:
+            problems.append(f"port: {master_port} is in use here ({err.strerror})")
+    if ifname is not None and ifname not in {name for _, name in socket.if_nameindex()}:
+        problems.append(f"interface: this machine has no interface {ifname!r}")
+    return problems
