@@ -209,3 +209,28 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in needing:
         item.add_marker(pytest.mark.skip(reason=missing))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A notebook cell that failed: what it printed in this run, whole, in the report.
+
+    nbval names only the output fields that differ ("Unexpected output fields from running
+    code: {'stderr'}"), not what they held, and a failure seen once in a CI log must be
+    readable from that log alone (a 07b cell's stray stderr, 2026-12-07, was not)."""
+    outcome = yield
+    report = outcome.get_result()
+    outputs = getattr(item, "test_outputs", None)
+    if report.when != "call" or not report.failed or not outputs:
+        return
+    shown = []
+    for output in outputs:
+        kind = output.get("output_type", "?")
+        if kind == "stream":
+            shown.append(f"[{output.get('name')}]\n{output.get('text', '')}")
+        elif kind == "error":
+            shown.append(f"[error] {output.get('ename')}: {output.get('evalue')}")
+        else:
+            data = output.get("data", {})
+            shown.append(f"[{kind}] {data.get('text/plain', sorted(data))}")
+    report.sections.append(("what the cell printed in this run", "\n".join(shown)))
