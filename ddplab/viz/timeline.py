@@ -1,7 +1,7 @@
 """Time: what each rank did, and in which order.
 
 `show_timeline` draws stretches of each rank's time against a clock the ranks share,
-working solid and waiting (in a collective the others have not joined) hatched, with
+working solid and waiting on other ranks (in a collective or a transfer) hatched, with
 events such as an error marked: who was late, who waited, who failed first.
 `show_flight` draws the order the ranks' flight recorders kept, one row per collective
 sequence number, framing the first where the ranks disagree: where they parted ways.
@@ -31,7 +31,7 @@ rank, and rank 7's is a light grey."""
 
 @dataclass(frozen=True)
 class Span:
-    """A stretch of one rank's time: working (solid) or waiting in a collective (hatched).
+    """A stretch of one rank's time: working (solid) or waiting on other ranks (hatched).
 
     `lane` splits a rank's row in two or more ("backward", "all_reduce") where things
     happen at the same time on one rank, as DDP's communication overlaps its computation.
@@ -83,9 +83,10 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int | None, float
     """What each rank did, and when: one lane per rank (or per rank and `Span.lane`), time
     from left to right.
 
-    Working spans are solid in the rank's colour, waiting spans (inside a collective that
-    others have not joined) hatched; `marks` are (rank, time, text) events such as an
-    error, drawn as a red cross with the text beside it, in the rank's first lane. Times
+    Working spans are solid in the rank's colour, waiting spans (in a collective or a
+    transfer that others have not joined) hatched, and a legend says so; `marks` are
+    (rank, time, text) events such as an error, drawn as a red cross with the text beside
+    it, in the rank's first lane. Times
     are shifted so the first span starts at 0; the axis counts seconds, or milliseconds for
     a timeline under 5 s. The lanes go rank by rank; `lanes_first` groups them by
     `Span.lane` instead (each lane's ranks together: an elastic job's attempts one under
@@ -170,7 +171,7 @@ def _legend() -> list[Patch]:
     """Solid and hatched, said once for every timeline: one hatch, one meaning."""
     return [Patch(fc=tint("#777777", 0.35), ec="#777777", label="computing (solid)"),
             Patch(fc=tint("#777777", 0.8), ec="#777777", hatch="///",
-                  label="waiting for a collective to finish (hatched)")]
+                  label="waiting on other ranks, in a collective or a transfer (hatched)")]
 
 
 def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -> Figure:
