@@ -113,7 +113,7 @@ def _answer_control(ctl: Connection) -> None:
     threading.Thread(target=serve, name="ddplab-control", daemon=True).start()
 
 
-def _flight_record() -> str | None:
+def _flight_record() -> str | bytes | None:
     """This process's flight recorder dump (see `ddplab.flight`), taken while a call may hang.
 
     NCCL keeps a recorder of its own (`_dump_nccl_trace_json`, in torch 2.11 and 2.13's
@@ -130,9 +130,14 @@ def _flight_record() -> str | None:
         if dump is None:
             continue
         try:
-            return _with_groups(dump())
+            raw = dump()
         except Exception:
             continue
+        try:
+            return _with_groups(raw)
+        except Exception:  # the groups changed while being read (the main thread was making
+            return raw     # one): the dump without them, each group's ranks then those that
+            #                recorded in it (`flightrecorder.members`)
     return None
 
 
