@@ -177,6 +177,10 @@ def test_flight_verdicts_name_who_is_behind():
         "rank 1 has broadcast([2]).")
     assert flight.verdict({0: dump([1, 2], 2), 1: dump([1, 2], 2)}) == ""
     assert flight.verdict({0: dump([1], 1)}) == ""
+    unnamed = dump([1, 2], 2)  # under DETAIL every entry loses its group's name
+    for entry in unnamed["entries"]:
+        entry["process_group"] = ["", ""]
+    assert flight.members({0: unnamed, 1: unnamed}) == {"0": [0, 1]}
 
 
 def test_flight_verdicts_read_every_group_apart():

@@ -285,7 +285,8 @@ def test_show_timeline_lays_out_lanes_and_marks():
     assert {"rank 0", "rank 1", "gave up", "late", "0 s", "4 s"} <= set(texts)
     assert "compute" not in texts  # 0.3 s is too short a span to hold its label
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["computing (solid)", "waiting on other ranks, in a collective or a transfer (hatched)"]
+    assert legend == ["computing (solid)",
+                      "waiting on other ranks, in a collective or a transfer (hatched)"]
     assert viz.show_timeline(spans[:1]).axes[0].get_legend() is None  # no hatch, no legend
     with pytest.raises(ValueError, match="no spans"):
         viz.show_timeline([])

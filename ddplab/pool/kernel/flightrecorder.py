@@ -9,10 +9,11 @@ Dumps from all ranks, side by side, answer the first question of any hang: did e
 issue the same collectives, and who stopped where?
 
 When a pool call hangs, the pool takes a dump from every rank of the call before it stops
-them (`RankError.flight`: rank -> the dump, torch's JSON text), and the report says what
-the dumps show: `verdict`. torch ships an analysis tool for dumps (`python -m
-torch.distributed.flight_recorder.fr_trace`), written for NCCL's; in torch 2.13 it fails
-on gloo's dumps with a KeyError, so this module reads them itself. Kernel side: no torch.
+them (`RankError.flight`: rank -> the dump, torch's JSON text, with the rank's process groups
+added), and the report says what the dumps show, group by group: `verdict`. torch ships
+an analysis tool for dumps (`python -m torch.distributed.flight_recorder.fr_trace`),
+written for NCCL's; in torch 2.13 it fails on gloo's dumps with a KeyError, so this module
+reads them itself. Kernel side: no torch.
 
 The reading is the engine's, as the pool's report needs it; `ddplab.flight`, the learner's
 module of chapter 7, imports it from here and adds the side-by-side `table`.
@@ -100,7 +101,9 @@ def members(dumps: dict[int, Dump]) -> dict[str, list[int]]:
     """Every process group the dumps know, name -> its ranks, the default group ("0") first.
 
     From the membership the pool adds to each dump (`protocol.FLIGHT_GROUPS`); for a dump
-    without it, a group's ranks are those that recorded a collective in it.
+    without it, a group's ranks are those that recorded a collective in it. Entries whose
+    group has no name are left out: under TORCH_DISTRIBUTED_DEBUG=DETAIL every entry loses
+    its group's name, the checker's own collectives among them (chapter 7a).
     """
     found: dict[str, set[int]] = {"0": set(dumps)}
     listed: set[str] = set()
@@ -111,7 +114,7 @@ def members(dumps: dict[int, Dump]) -> dict[str, list[int]]:
             listed.add(name)
         for e in dump.get("entries", []):
             name = str(e.get("process_group", ["0"])[0])
-            if name not in listed:
+            if name and name not in listed:  # "": under DETAIL every entry loses its group
                 found.setdefault(name, set()).add(rank)
     def order(name: str) -> tuple:
         return (name != "0", not name.isdigit(), int(name) if name.isdigit() else 0, name)
