@@ -133,11 +133,12 @@ def show_rendezvous(world_size: int, address: str, *,
     for k, (heading, caption) in enumerate((
             ("1 · connections to rank 0's store",
              f"{_ranks_phrase(clients, world_size)} connected to MASTER_ADDR:MASTER_PORT\n"
-             "to write how to reach it and read the others' notes"),
+             + ("(rank 0 by the arrow inside its box) " if 0 in clients else "")
+             + "to write its note and read the others'"),
             ("2 · connections between ranks",
              f"{len(links)} connections between ranks "
              f"(of {world_size * (world_size - 1) // 2} pairs);\n"
-             "the tensors never pass through the store (dashed: idle)"))):
+             "the store's connections stay open, idle (dashed): no tensor passes there"))):
         x0 = margin + k * (panel_w + gap)
         ax.add_patch(Rectangle((x0, foot - 0.05), panel_w, circle_h + head + 0.05,
                                fc="none", ec="#CCCCCC", lw=1.0))

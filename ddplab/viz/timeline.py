@@ -184,7 +184,8 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
     them. A cell is the collective that rank issued under that number, in the rank's
     colour; a white cell means the rank never issued it. A row where the ranks issued
     different collectives is framed in red: the first such row is where the bug is.
-    Hatched cells never completed. The legend names only what the picture draws.
+    Hatched cells never completed: the rank still waits on the others there. The legend
+    names only what the picture draws.
     """
     if isinstance(records, Mapping):
         raise TypeError("show_flight draws the ranks' records, not their dumps: pass "
@@ -236,7 +237,7 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
             ax.add_patch(Rectangle((left, y + 0.02), col * len(records), row - 0.04,
                                    fill=False, ec="#C00000", lw=2.2))
     legend = {"open": Patch(fc="white", ec="#555555", hatch="///",
-                            label="issued, never completed"),
+                            label="issued, still waiting on other ranks"),
               "disagree": Patch(fc="white", ec="#C00000", lw=2, label="the ranks disagree"),
               "empty": Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="never issued")}
     handles = [patch for kind, patch in legend.items() if kind in drawn]
