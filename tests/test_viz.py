@@ -266,11 +266,12 @@ def test_show_flight_draws_a_row_per_collective_and_frames_disagreements():
     red = [p for p in fig.axes[0].patches if p.get_edgecolor()[:3] == to_rgb("#C00000")]
     assert len(red) == 1  # only #3, where ranks 0 and 2 disagree, is framed
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["issued, still waiting on other ranks", "the ranks disagree", "never issued"]
+    assert legend == ["issued and completed", "issued, still waiting on other ranks",
+                      "the ranks disagree", "never issued"]
     # the legend names only what is drawn: every rank issued #1 and #2, all agree
     agreed = viz.show_flight([flight.parse(r, _dump([1, 2], 2)) for r in range(3)])
     assert [t.get_text() for t in agreed.axes[0].get_legend().get_texts()] == \
-        ["issued, still waiting on other ranks"]
+        ["issued and completed", "issued, still waiting on other ranks"]
     with pytest.raises(ValueError, match="no flight recorder records"):
         viz.show_flight([])
     with pytest.raises(TypeError, match="records, not their dumps"):

@@ -197,7 +197,7 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
     row, left, top = 0.5, 0.6, 0.75 + (0.35 if title else 0)
     col = min(1.9, (MAX_WIDTH - left - 0.3) / len(records))  # five ranks and more share the page
     width = left + col * len(records) + 0.3
-    height = top + row * max(len(seqs), 1) + 0.75
+    height = top + row * max(len(seqs), 1) + 0.95  # the legend: two columns, two rows
     canvas = Canvas(width, height, CELL, title)
     ax = canvas.ax
     for j, record in enumerate(records):
@@ -223,8 +223,8 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
             done = seq <= record.last_completed
             ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1,
                                    fc=tint(rank_color(record.rank)), ec="none"))
+            drawn.add("done" if done else "open")
             if not done:
-                drawn.add("open")
                 ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1, fill=False,
                                        hatch="///", ec=text_color(rank_color(record.rank)), lw=0))
             shape = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in entry.sizes)
@@ -236,12 +236,13 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
             drawn.add("disagree")
             ax.add_patch(Rectangle((left, y + 0.02), col * len(records), row - 0.04,
                                    fill=False, ec="#C00000", lw=2.2))
-    legend = {"open": Patch(fc="white", ec="#555555", hatch="///",
+    legend = {"done": Patch(fc=tint("#777777"), ec="none", label="issued and completed"),
+              "open": Patch(fc="white", ec="#555555", hatch="///",
                             label="issued, still waiting on other ranks"),
               "disagree": Patch(fc="white", ec="#C00000", lw=2, label="the ranks disagree"),
               "empty": Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="never issued")}
     handles = [patch for kind, patch in legend.items() if kind in drawn]
-    ax.legend(handles=handles, loc="lower left", ncol=3, frameon=False, fontsize=FONT - 1,
+    ax.legend(handles=handles, loc="lower left", ncol=2, frameon=False, fontsize=FONT - 1,
               bbox_to_anchor=(0.0, 0.0), handlelength=1.5, columnspacing=1.2)
     return canvas.fig
 
