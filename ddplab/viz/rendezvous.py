@@ -184,7 +184,7 @@ def show_leftover(notes: Sequence[tuple[str, object, int]], reads: Sequence[tupl
 
     `notes` are the store's entries as `show_store` takes them, (key, value, writer rank),
     all written by run 1's ranks, which then died; `reads` are (reader rank, key): what
-    each rank of run 2 looked up. Left, run 1's ranks, dashed and marked dead; in the
+    each rank of run 2 looked up. Left, run 1's ranks, grey and marked dead; in the
     middle, their notes, each row in its writer's colour and beside it; right, run 2's
     ranks, alive, each with an arrow in its own colour to the note it read. Every arrow
     ends at a note whose writer is gone: the answer came at once, and it is a dead
@@ -220,12 +220,12 @@ def show_leftover(notes: Sequence[tuple[str, object, int]], reads: Sequence[tupl
     for i, (key, value, writer) in enumerate(notes):
         row_of[str(key)] = i
         color, y = rank_color(writer), middle(i)
-        ax.add_patch(Rectangle((x_dead, y - box_h / 2), box_w, box_h, fc="white",
-                               ec=line_color(color), ls="--", lw=1.4))
+        ax.add_patch(Rectangle((x_dead, y - box_h / 2), box_w, box_h, fc="#EEEEEE",
+                               ec=line_color(color), lw=1.4))  # grey: no process any more
         ax.text(x_dead + box_w / 2, y, f"rank {writer} (dead)", ha="center", va="center",
-                fontsize=FONT, fontweight="bold", color="#444444")
+                fontsize=FONT, fontweight="bold", color="#555555")
         ax.plot([x_dead + box_w + 0.05, x_file - 0.05], [y, y], color=line_color(color),
-                lw=1.2, ls=(0, (3, 2)))
+                lw=1.2)
         for x, w, text in ((x_file, key_w, str(key)), (x_file + key_w, val_w, str(value))):
             ax.add_patch(Rectangle((x, y - row / 2 + 0.04), w, row - 0.08, fc=tint(color),
                                    ec="white"))
@@ -241,7 +241,7 @@ def show_leftover(notes: Sequence[tuple[str, object, int]], reads: Sequence[tupl
         canvas.arrow((x_live - 0.05, y), (file_right + 0.05, middle(row_of[str(key)])), color)
     ax.text(width / 2, foot - 0.3, "each rank of run 2 looks up its neighbour's address and "
             "gets one at once: the address of a dead process\n"
-            "colour: the rank, run 1's writer of each note (dashed: a process gone) and "
+            "colour: the rank, run 1's writer of each note (grey: a process gone) and "
             "run 2's reader, along its arrow", ha="center", va="center",
             fontsize=FONT - 1, color="#333333", linespacing=1.4)
     return canvas.fig
