@@ -138,7 +138,7 @@ def show_rendezvous(world_size: int, address: str, *,
             ("2 · connections between ranks",
              f"{len(links)} connections between ranks "
              f"(of {world_size * (world_size - 1) // 2} pairs);\n"
-             "the store's connections stay open, idle (dashed): no tensor passes there"))):
+             "the store (dashed) keeps its connections open, idle: no tensor passes there"))):
         x0 = margin + k * (panel_w + gap)
         ax.add_patch(Rectangle((x0, foot - 0.05), panel_w, circle_h + head + 0.05,
                                fc="none", ec="#CCCCCC", lw=1.0))

@@ -79,6 +79,9 @@ def preflight(master_addr, master_port, ifname, nnodes):
         problems.append(f"loopback: {master_addr!r} is {sorted(loopback)[0]}, which every "
                         "other node would dial as itself")
     with socket.socket() as probe:
+        # As the store's server binds: SO_REUSEADDR, so that a port whose last connection
+        # is still in TIME_WAIT counts as free (it is, to the server), and a listener does not
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", master_port))
         except OSError as err:
