@@ -39,7 +39,7 @@ import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from ddplab.pool import gpus
 from ddplab.pool.rendezvous import POOL_MARK, free_port
@@ -427,15 +427,32 @@ def _end_a_failed_script_now() -> None:
     have given, its output flushed: the traceback is already printed, and `@record` has
     already written torchrun's error file.
 
-    A script that ends well, or by `sys.exit`, is left to the normal exit: that needs its
-    own status, and its last collective finished long before. Not in a notebook's kernel
-    or `python -i`, which live on after an error: they never register it.
+    A script that ends by `sys.exit` is left to the normal exit: an atexit handler cannot
+    read the status it asked for. A script that ends well can meet the same abort (its
+    last collective finished, but the worker that ran it had not yet let go of it when the
+    main thread reached finalization: chapter 5's `ddplab.train` with FSDP, rank 0 under
+    mpirun, once in a CI run, 2026-12-07); `ddplab.train` ends with `exit_now(0)` for that,
+    and a script of yours can too. Not in a notebook's kernel or `python -i`, which live on
+    after an error: they never register it.
     """
     failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if failed is None or isinstance(failed, SystemExit):
         return
+    exit_now(1)
+
+
+def exit_now(status: int = 0) -> NoReturn:
+    """End this process now with `status`, its output flushed, without finalizing Python.
+
+    For a script that made a gloo group and used it through DDP or FSDP: gloo's worker
+    threads outlive `destroy_process_group()` there, and one that lets go of a finished
+    collective while the interpreter finalizes aborts the process (`_end_a_failed_script_now`
+    says how). Ending before finalization leaves no such moment. Nothing is lost that the
+    script would have done after its last line but atexit handlers (logging is shut down
+    here, the standard streams flushed).
+    """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(1)
+    os._exit(status)

@@ -486,3 +486,8 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Not Python's own exit: after FSDP, gloo's worker threads may still hold the last
+    # collective while the interpreter finalizes, and abort the process then ("terminate
+    # called without an active exception", exit status 134 after a finished run; see
+    # launch.exit_now). The run is done: end it here, before finalization.
+    launch.exit_now(0)

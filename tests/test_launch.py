@@ -209,6 +209,8 @@ launch.init_process_group(launch.detect(), "gloo", timeout=timedelta(seconds=10)
     ("raise RuntimeError('the script fails')", 1, False),
     ("sys.exit(3)", 3, True),
     ("print('the script ends well')", 0, True),
+    # what ddplab.train's last line does: its output kept, the interpreter's exit skipped
+    ("print('the run is done', end='')\nlaunch.exit_now(0)", 0, False),
 ])
 def test_a_script_that_made_a_gloo_group_and_failed_skips_the_interpreters_exit(
         ending, status, normal_exit):
@@ -228,3 +230,4 @@ def test_a_script_that_made_a_gloo_group_and_failed_skips_the_interpreters_exit(
     assert done.returncode == status, done.stderr
     assert ("the interpreter's normal exit ran" in done.stdout) == normal_exit
     assert ("RuntimeError: the script fails" in done.stderr) == (status == 1)
+    assert ("the run is done" in done.stdout) == ("exit_now" in ending)  # flushed first
