@@ -41,8 +41,7 @@ def test_the_top_level_is_a_short_table_of_contents():
 
 def test_no_module_is_long_enough_for_two_concerns():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if "exercises" not in p.parts
-            and (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert long == {}, f"over {MAX_LINES} lines: {long}"
 
 

@@ -47,7 +47,7 @@ def _solution_script() -> str:
 
 
 # Each mistake: the solution's text it replaces, the stage of the checker that judges it
-# (ch05's _judge_run, _judge_data, _judge_model, _judge_checkpoint, in that order), how
+# (ch05.script's _judge_run, _judge_data, _judge_model, _judge_checkpoint, in that order), how
 # the verdict starts, and what its hint says.
 SET_EPOCH = "        sampler.set_epoch(epoch)"
 SAMPLER = "    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)\n"
@@ -122,17 +122,17 @@ def _check(name: str) -> tuple[Feedback, object]:
     outlive it."""
     import psutil
 
-    from ddplab.exercises import ch05
+    from ddplab.exercises.ch05 import script as ch05_script
 
-    runs, torchrun = [], ch05._torchrun  # (its target, the run) for each torchrun started
+    runs, torchrun = [], ch05_script._torchrun  # (its target, the run) for each torchrun started
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ch05, "_torchrun", lambda target, *args, **kwargs:
+        patch.setattr(ch05_script, "_torchrun", lambda target, *args, **kwargs:
                       runs.append((target, torchrun(target, *args, **kwargs))) or runs[-1][1])
         if name == "hangs":  # it hangs before it trains, so ddplab.train's time once (which
             # includes training) is enough, and no less than the check's own minimum, which
             # counts from the ranks' start of the script: after torch's import, which once
             # held both ranks of a loaded CI machine for more than 41 s
-            patch.setattr(ch05, "SCRIPT_TIMEOUT_FACTOR", 1.0)
+            patch.setattr(ch05_script, "SCRIPT_TIMEOUT_FACTOR", 1.0)
         feedback = check("5.4", _script(name))
     for _, run in runs:  # the reference run too, when this check was the first to need it
         for rank, events in run.traces.items():
@@ -176,15 +176,15 @@ def test_the_solution_script_passes(checked):
 def _judge(stage: str, run) -> None:
     """One stage of the checker on a recorded run, against the reference (ddplab.train's
     run, which the checks above made once in this process)."""
-    from ddplab.exercises import ch05
+    from ddplab.exercises.ch05 import script as ch05_script
 
-    reference, weights = ch05._reference()
+    reference, weights = ch05_script._reference()
     if stage == "data":
-        ch05._judge_data(run, reference)
+        ch05_script._judge_data(run, reference)
     elif stage == "model":
-        ch05._judge_model(run, reference)
+        ch05_script._judge_model(run, reference)
     else:
-        ch05._judge_checkpoint(run, reference, weights, run.folder)
+        ch05_script._judge_checkpoint(run, reference, weights, run.folder)
 
 
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
@@ -204,10 +204,10 @@ def test_each_wrong_ddp_script_gets_its_own_verdict(mistake, checked):
     assert said.startswith(message), said
     assert hint in hinted, hinted
     if mistake == "hangs":  # the deadline it was given, and each rank's place, from its stack
-        from ddplab.exercises import ch05
+        from ddplab.exercises.ch05 import script as ch05_script
 
-        took = ch05._reference()[0].seconds
-        deadline = max(ch05.SCRIPT_MIN_TIMEOUT, took)
+        took = ch05_script._reference()[0].seconds
+        deadline = max(ch05_script.SCRIPT_MIN_TIMEOUT, took)
         assert said.startswith(f"your script did not finish within {deadline:.0f} s of "
                                "starting on every rank under torchrun (ddplab.train's whole "
                                f"run took {took:.0f} s)"), said

@@ -95,7 +95,11 @@ def exercise(id: str, title: str, solution: str, hint: str = "", takes: str = "f
 
 
 def _load_all() -> None:
-    """Import every chapter's module (ch01, ch02, ...), which registers its exercises."""
+    """Import every chapter's module (ch01, ch02, ...), which registers its exercises.
+
+    Only this folder's own modules are found: a chapter that is a package (ch05/, with a
+    file per exercise) imports its files in its `__init__.py`, or their checks go missing.
+    """
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
 

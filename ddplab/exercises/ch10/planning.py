@@ -1,0 +1,113 @@
+"""Chapter 10d's exercise: the model's state on one GPU of a layout (10.6).
+
+10.6 asks for the model state (parameters, gradients, optimizer) one GPU holds for a real
+model and layout (chapter 10d): the check holds the prediction against `ddplab.planner`'s
+own arithmetic over six layouts, each of which changes what the one before left out (TP,
+uneven pipeline stages, CP inside ZeRO's group, ZeRO's stages), and names the category and
+the rule that differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ddplab.exercises import NotYet, exercise, expect
+
+# --- 10.6 the model's state on one GPU of a layout (chapter 10d) ---
+
+STATE = ("parameters", "gradients", "optimizer")
+"""What exercise 10.6 predicts: a GPU's model state, in bytes (mixed-precision Adam with
+fp32 gradients: 2 + 4 + 12 bytes a parameter)."""
+
+
+def _cases() -> list[tuple[str, str, int, dict]]:
+    """(model preset, description, GPUs, layout fields): each case changes what the one
+    before it taught (TP, uneven pipeline stages, CP inside ZeRO's group, ZeRO-3, tied
+    embeddings, a stage in the middle)."""
+    return [
+        ("llama3-70b", "TP 8, PP 4, ZeRO-1", 64, dict(tp=8, pp=4, zero=1)),
+        ("llama3-405b", "TP 8, PP 16 (126 layers), ZeRO-2", 1024, dict(tp=8, pp=16, zero=2)),
+        ("llama3-70b", "TP 4, CP 2, ZeRO-1", 64, dict(tp=4, cp=2, zero=1)),
+        ("llama3-8b", "TP 2, CP 2, ZeRO-3", 64, dict(tp=2, cp=2, zero=3)),
+        ("gpt3-175b", "TP 8, no PP, ZeRO-2 (tied embeddings)", 512, dict(tp=8, zero=2)),
+        ("gpt3-175b", "TP 8, PP 8, ZeRO-0", 512, dict(tp=8, pp=8)),
+    ]
+
+
+def _planned(name: str, gpus: int, fields: dict) -> dict[str, float]:
+    from ddplab.planner import GPUS, MODELS, Layout, plan
+
+    p = plan(MODELS[name], GPUS["h100"], gpus, Layout(**fields, balanced=False), 1 << 14)
+    return {k: p.memory[k] for k in STATE}
+
+
+def _variant(name: str, gpus: int, fields: dict, mistake: str) -> dict[str, float]:
+    """What a known mistake predicts, to name it in the hint."""
+    import math
+
+    from ddplab.planner import MODELS
+
+    m = MODELS[name]
+    tp, pp, cp, zero = (fields.get(k, d) for k, d in (("tp", 1), ("pp", 1), ("cp", 1),
+                                                         ("zero", 0)))
+    dp = gpus // (tp * pp * cp)
+    layers = m.layers / pp if mistake == "even" else math.ceil(m.layers / pp)
+    layer = m.layer_matmul_params + 2 * m.hidden
+    if pp == 1 or mistake == "both ends":
+        ends = m.embedding_params + m.hidden
+    else:
+        ends = m.hidden * m.vocab
+    psi = (layers * layer + ends) / (1 if mistake == "no tp" else tp)
+    shard = dp if mistake == "dp only" else dp * cp
+    words = {"fp32": (4, 4, 8), "bf16 grads": (2, 2, 12)}.get(mistake, (2, 4, 12))
+    return {"parameters": words[0] * psi / (shard if zero >= 3 else 1),
+            "gradients": words[1] * psi / (shard if zero >= 2 and mistake != "grads" else 1),
+            "optimizer": words[2] * psi / (shard if zero >= 1 else 1)}
+
+
+MISTAKES = {
+    "dp only": "ZeRO shards over every rank that holds the same parameters: with CP, the "
+               "ranks of a context-parallel group hold the same weights too (DP × CP of them)",
+    "grads": "ZeRO-2 shards the gradients as well as the optimizer's states",
+    "no tp": "tensor parallelism splits every weight matrix (and Megatron-LM's embedding and "
+             "logit layer) TP ways before anything else",
+    "even": "a stage holds whole layers: the fullest holds ⌈layers / PP⌉ of them",
+    "both ends": "with PP, the embedding sits on the first stage and the logit layer on the "
+                 "last: the fullest stage holds one of them, not both",
+    "fp32": "mixed precision: bf16 weights (2 bytes), fp32 gradients (4) and fp32 master "
+            "weights with Adam's two moments (12)",
+    "bf16 grads": "mixed precision accumulates the gradients in fp32, 4 bytes a parameter "
+                  "(Megatron-LM's main_grad, FSDP2's reduce_dtype), each bf16 gradient freed "
+                  "once added",
+}
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(abs(b), 1.0)
+
+
+@exercise("10.6", "The model's state on one GPU of a layout",
+          solution="model_state_bytes",
+          hint="per GPU: the fullest pipeline stage's parameters, split by TP, then what the "
+               "ZeRO stage shards, over every rank that holds the same parameters.")
+def check_model_state_bytes(model_state_bytes: Callable) -> str:
+    from ddplab.planner import MODELS, Layout
+
+    for name, text, gpus, fields in _cases():
+        # equal stages (balanced False): the fullest holds ⌈layers / PP⌉ layers and an end
+        got = model_state_bytes(MODELS[name], Layout(**fields, balanced=False), gpus)
+        where = f"for {MODELS[name].name} on {gpus:,} GPUs, {text}"
+        expect(isinstance(got, dict) and set(STATE) <= set(got),
+               f"{where}, you returned {got!r}; expected a dict of bytes: {{'parameters': "
+               "..., 'gradients': ..., 'optimizer': ...}.")
+        want = _planned(name, gpus, fields)
+        for category in STATE:
+            if _same(float(got[category]), want[category]):
+                continue
+            hint = next((why for mistake, why in MISTAKES.items()
+                         if _same(float(got[category]),
+                                  _variant(name, gpus, fields, mistake)[category])), "")
+            raise NotYet(f"{where}, you predicted {got[category]:,.0f} bytes of {category} "
+                         f"per GPU; the planner says {want[category]:,.0f}.", hint)
+    return (f"your model state matches the planner's in all {len(_cases())} layouts: TP, "
+            "uneven stages, CP inside ZeRO's group, ZeRO-1, 2, 3 and tied embeddings.")
