@@ -265,7 +265,7 @@ def recorded_step(stage: int) -> list[tuple[str, int, int]]:
     assert all(c.start <= c.end for c in comms)
     padded = sum(layout.padded for layout in opt.shard_of()) * 4
     theory = comm_bytes_theory(padded, stage, dist.get_world_size())
-    return [(c.kind, c.bytes, c.sent) for c in comms], theory
+    return [(c.kind, c.bytes, c.ring_bytes) for c in comms], theory
 
 
 def test_each_stage_issues_its_collectives(pool):
@@ -422,7 +422,8 @@ def recorded_kinds() -> tuple[bool, bool, bool, list[tuple[str, int, int]]]:
             request.wait()
     ended = all(c.start <= c.end for c in comms)
     is_work = isinstance(work, dist.Work) and forwarded
-    return unfinished and by_future, is_work and ended, [(c.kind, c.bytes, c.sent) for c in comms]
+    return (unfinished and by_future, is_work and ended,
+            [(c.kind, c.bytes, c.ring_bytes) for c in comms])
 
 
 def test_the_recorder_restores_dist_and_times_async_ops(pool):
@@ -437,7 +438,7 @@ def test_the_recorder_restores_dist_and_times_async_ops(pool):
 
 
 def test_the_recorders_work_forwards_every_public_method():
-    from ddplab.sharding import _TimedWork
+    from ddplab.sharding.recorder import _TimedWork
 
     public = {n for n in dir(dist.Work) if not n.startswith("_")} - {"unbox"}
     assert public <= set(_TimedWork.__dict__)

@@ -159,7 +159,7 @@ def test_tp_blocks_equal_the_unsharded_with_one_all_reduce_each_way(pool):
                 assert out["heads"] == HEADS // 4
             else:
                 comms = [Comm(0, kind, nbytes, 0.0, 0.0, n) for kind, nbytes, n in out["comms"]]
-                assert sum(c.sent for c in comms) == 2 * round(2 * 3 / 4 * B * T * D * F32)
+                assert sum(c.ring_bytes for c in comms) == 2 * round(2 * 3 / 4 * B * T * D * F32)
 
 
 # --- the vocabulary: embedding and cross-entropy split by token id ----------------------

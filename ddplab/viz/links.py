@@ -5,7 +5,7 @@ every process group the recorded calls ran on, a link between its ranks labelled
 calls (kind and count) and the bytes each rank sent over it; the link's width grows with
 those bytes, on one scale for every panel, so two runs side by side (FSDP2 x TP against
 HSDP) compare bytes per link at a glance. The calls come from the run itself (for example
-`sharding.record_collectives`' `Comm.kind`, `Comm.sent` and `Comm.group`), so the picture
+`sharding.record_collectives`' `Comm.kind`, `Comm.ring_bytes` and `Comm.group`), so the picture
 shows what happened rather than what the mesh promises.
 """
 
