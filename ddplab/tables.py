@@ -69,3 +69,20 @@ def format_table(rows: Iterable[Sequence[object]], *, header: Sequence[object] |
     if rule and top:
         lines.append(line(["-" * w for w in width]))
     return "\n".join(lines + [line(row) for row in body])
+
+
+def delta(value: float) -> str:
+    """A difference between two results, as chapters 9 and 10 print it: "0" when it is
+    exactly zero, else its magnitude to two figures ("3.6e-07"), never a verdict.
+
+    The policy, stated once (chapter 9a says it to the learner): where a sharded computation
+    adds the same numbers in the same order as one process (two ranks' sums, a copy), the
+    difference must be exactly 0, and is printed as 0. Where it adds them in another order
+    (partial sums over ranks, a ring's order, another matmul blocking), float32's 24-bit
+    significand rounds each addition by up to 2⁻²⁴ of the running sum (6e-8 relative), so
+    the results differ in their last bits, by amounts that depend on the CPU's vector
+    instructions; the tests hold such differences below 1e-5 for values of order 1, and
+    nbval, which re-runs the chapters on another CPU, masks a magnitude below 1e-5
+    (tests/nbval_sanitize.cfg) rather than compare last bits.
+    """
+    return "0" if value == 0 else f"{value:.1e}"
