@@ -118,16 +118,22 @@ def test_traffic_counts_each_group_once_from_its_first_member():
     from ddplab.viz.links import group_traffic
 
     traffic = group_traffic(TP_CALLS)
-    assert traffic[(0, 1)] == {"calls": {"all_reduce": 4}, "sent": 1024}
-    assert traffic[(0, 2)] == {"calls": {"all_gather_single": 1}, "sent": 2144}
+    assert traffic[(0, 1)] == {"calls": {"all_reduce": 4}, "sent": 1024, "counted": False}
+    assert traffic[(0, 2)] == {"calls": {"all_gather_single": 1}, "sent": 2144,
+                               "counted": False}
     assert set(traffic) == {(0, 1), (2, 3), (0, 2), (1, 3)}
+    # bytes counted at the sockets (rank i to rank j) replace the calls' own
+    counted = [[0, 7, 11, 0], [7, 0, 0, 13], [11, 0, 0, 0], [0, 13, 0, 0]]
+    traffic = group_traffic(TP_CALLS, counted)
+    assert {g: (e["sent"], e["counted"]) for g, e in traffic.items()} == {
+        (0, 1): (7, True), (0, 2): (11, True), (1, 3): (13, True), (2, 3): (0, True)}
 
 
 def test_links_label_calls_and_bytes_and_widen_with_bytes():
     fig = viz.show_group_traffic([[0, 1], [2, 3]], {"a": TP_CALLS, "b": TP_CALLS[:1]})
     assert fig.get_size_inches()[0] <= MAX_WIDTH
-    assert "all-reduce ×4\n1,024 B sent" in texts(fig)
-    assert "all-gather ×1\n2,144 B sent" in texts(fig)
+    assert "all-reduce ×4\n1,024 B on a ring" in texts(fig)
+    assert "all-gather ×1\n2,144 B on a ring" in texts(fig)
     widths = sorted({round(line.get_linewidth(), 2) for line in fig.axes[0].lines})
     assert widths == [round(1 + 7 * 1024 / 2144, 2), 8.0]
     boxes = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]

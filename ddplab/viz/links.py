@@ -5,8 +5,10 @@ every process group the recorded calls ran on, a link between its ranks labelled
 calls (kind and count) and the bytes each rank sent over it; the link's width grows with
 those bytes, on one scale for every panel, so two runs side by side (FSDP2 x TP against
 HSDP) compare bytes per link at a glance. The calls come from the run itself (for example
-`sharding.record_collectives`' `Comm.kind`, `Comm.ring_bytes` and `Comm.group`), so the picture
-shows what happened rather than what the mesh promises.
+`sharding.record_collectives`' `Comm.kind`, `Comm.ring_bytes` and `Comm.group`), so the
+picture shows what happened rather than what the mesh promises. The bytes are the calls'
+own figure (a ring's arithmetic, labelled "on a ring") unless `counted` gives each panel's
+`sharding.wire.matrix`, the bytes counted at the sockets (labelled "sent").
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ Call = tuple[str, int, Sequence[int]]
 """One recorded call: its kind, the bytes this rank sent for it, the ranks of its group."""
 
 
-def group_traffic(calls_per_rank: Sequence[Sequence[Call]]) -> dict[tuple[int, ...], dict]:
-    """{group: {"calls": {kind: count}, "sent": bytes}} from every rank's recorded calls.
+def group_traffic(calls_per_rank: Sequence[Sequence[Call]],
+                  counted: Sequence[Sequence[int]] | None = None) -> dict[tuple[int, ...], dict]:
+    """{group: {"calls": {kind: count}, "sent": bytes, "counted": bool}} from every rank's
+    recorded calls.
 
     Every member of a group records the same calls on it, so each group is read from its
     first member's records only (the others' would count each call once per member).
-    `sent` is what one member sent over the group's links for all of them.
+    `sent` is what that member sent over the group's links for all of them: the calls' own
+    bytes, or, given `counted` (a `sharding.wire.matrix`, bytes rank i sent to rank j), what
+    the sockets counted from it to the group's other members (a pair of ranks in two groups
+    would count in both).
     """
     traffic: dict[tuple[int, ...], dict] = {}
     for rank, calls in enumerate(calls_per_rank):
@@ -37,26 +44,34 @@ def group_traffic(calls_per_rank: Sequence[Sequence[Call]]) -> dict[tuple[int, .
             group = tuple(int(r) for r in group)
             if len(group) < 2 or group[0] != rank:
                 continue
-            entry = traffic.setdefault(group, {"calls": {}, "sent": 0})
+            entry = traffic.setdefault(group, {"calls": {}, "sent": 0, "counted": False})
             entry["calls"][kind] = entry["calls"].get(kind, 0) + 1
             entry["sent"] += int(sent)
+    if counted is not None:
+        for group, entry in traffic.items():
+            entry["sent"] = sum(int(counted[group[0]][r]) for r in group[1:])
+            entry["counted"] = True
     return traffic
 
 
 def _label(entry: dict) -> str:
     kinds = [f"{kind.removesuffix('_single').replace('_', '-')} ×{n}"
              for kind, n in entry["calls"].items()]
-    return "\n".join([*kinds, f"{amount(entry['sent'])} B sent"])
+    how = "sent" if entry["counted"] else "on a ring"
+    return "\n".join([*kinds, f"{amount(entry['sent'])} B {how}"])
 
 
 def show_group_traffic(mesh: Sequence[Sequence[int]],
                        panels: Mapping[str, Sequence[Sequence[Call]]], *,
+                       counted: Mapping[str, Sequence[Sequence[int]]] | None = None,
                        title: str | None = None) -> Figure:
     """The ranks of `mesh` (`mesh[i][j]` the rank at (i, j)) once per panel, each panel's
     groups joined by links labelled with their calls and bytes sent per rank.
 
     `panels` maps a panel's title to every rank's recorded calls [rank][(kind, sent,
-    group)]. A link's width is proportional to its bytes, on one scale for all panels.
+    group)]; `counted`, where given, maps a panel's title to its `sharding.wire.matrix`,
+    whose bytes then replace the calls' own. A link's width is proportional to its bytes,
+    on one scale for all panels.
     """
     grid = [[int(r) for r in row] for row in mesh]
     if not grid or not grid[0] or any(len(row) != len(grid[0]) for row in grid):
@@ -64,7 +79,8 @@ def show_group_traffic(mesh: Sequence[Sequence[int]],
     if not panels:
         raise ValueError("show_group_traffic needs at least one panel of recorded calls")
     where = {rank: (i, j) for i, row in enumerate(grid) for j, rank in enumerate(row)}
-    traffic = {name: group_traffic(calls) for name, calls in panels.items()}
+    traffic = {name: group_traffic(calls, (counted or {}).get(name))
+               for name, calls in panels.items()}
     for name, groups in traffic.items():
         for group in groups:
             if any(r not in where for r in group):
