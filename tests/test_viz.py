@@ -715,3 +715,20 @@ def test_show_ddp_step_starts_a_buckets_all_reduce_once_its_last_gradient_is_rea
     assert x["all-reduce b1"] < x["update"]               # the step waits for the last one
     with pytest.raises(ValueError, match="not in `layers`"):
         viz.show_ddp_step(layers, [["fc3"]])
+
+
+def test_a_hatch_means_one_thing_in_every_picture():
+    """Hatches come from the palette by meaning (viz/palette.py's HATCHES), never written
+    into a picture by hand or handed out by position: one pattern, one meaning, kit-wide."""
+    import re
+    from pathlib import Path
+
+    from ddplab.viz.palette import HATCHES
+
+    assert len(set(HATCHES.values())) == len(HATCHES), HATCHES
+    folder = Path(viz.__file__).parent
+    literal = re.compile(r"""hatch\s*=\s*["']""")
+    written = {p.name: [n for n, line in enumerate(p.read_text().splitlines(), 1)
+                        if literal.search(line)]
+               for p in folder.glob("*.py")}
+    assert {name: lines for name, lines in written.items() if lines} == {}

@@ -265,3 +265,18 @@ def test_overlap_keeps_a_middle_lanes_labels_off_the_next_lane():
     gathers = [t for t in ax.texts if t.get_text() == "unit 4"][1:]  # after the in-bar one
     for t in gathers:  # the gathers' callouts sit clear of the reduce-scatter's bar
         assert not t.get_window_extent(renderer).overlaps(bars[-1])
+
+
+def test_shards_draw_each_tensor_to_scale():
+    from ddplab.viz.shards import MIN_BAR
+
+    fig = viz.show_shards([("a", 1_000_000), ("b", 2_000_000), ("c", 1_000)], 2,
+                          [("held", [["local"] * 3] * 2)])
+    bars = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
+    a, b, c = (round(p.get_width(), 6) for p in bars[:3])  # rank 0's three tensors
+    assert b == pytest.approx(2 * a)
+    assert c == pytest.approx(MIN_BAR)  # 1/2000 of b would not show
+    legend = [t.get_text() for t in fig.axes[0].texts] + [
+        t.get_text() for a in fig.axes[0].artists if hasattr(a, "get_texts")
+        for t in a.get_texts()]
+    assert any(t.startswith("bar lengths to scale") and f"{MIN_BAR} in" in t for t in legend)

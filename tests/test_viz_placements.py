@@ -12,7 +12,7 @@ from matplotlib.patches import Rectangle
 from viz_checks import no_warnings  # noqa: F401 (the fixture applies by import)
 
 from ddplab import viz
-from ddplab.viz.palette import line_color, rank_color, tint
+from ddplab.viz.palette import HATCHES, line_color, rank_color, tint
 
 
 def rgb(color) -> tuple[float, ...]:
@@ -48,7 +48,7 @@ def test_colour_means_a_rank_everywhere_else_neutral(sp):
     ax = fig.axes[0]
     ranks = {rgb(tint(rank_color(r))) for r in range(2)} | {rgb(tint(rank_color(r), 0.7))
                                                              for r in range(2)}
-    hatched = [p for p in ax.patches if p.get_hatch() == "xx"]
+    hatched = [p for p in ax.patches if p.get_hatch() == HATCHES["summed"]]
     assert hatched and all(rgb(p.get_facecolor()) not in ranks for p in hatched)
     assert any(p.get_linestyle() == "--" for p in ax.patches)
     for legend in ax.artists:

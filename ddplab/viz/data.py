@@ -17,7 +17,7 @@ from matplotlib.patches import Rectangle
 
 from ddplab.viz.canvas import CELL, FONT, Canvas, check_width, row_layout, title_width
 from ddplab.viz.cells import Panel, as_grid, as_owner
-from ddplab.viz.palette import rank_color, text_color
+from ddplab.viz.palette import HATCHES, rank_color, text_color
 
 
 def show_digits(images, labels, *, columns: int = 10, title: str | None = None,
@@ -91,8 +91,9 @@ def show_sampler(splits: Sequence[Sequence[int]], dataset_size: int, *,
             if again:
                 x = panel.x + j * canvas.cell
                 canvas.ax.add_patch(Rectangle((x + 0.03, panel.y + 0.03), canvas.cell - 0.06,
-                                              canvas.cell - 0.06, fill=False, hatch="///",
-                                              ec=text_color(rank_color(panel.rank)), lw=0))
+                                              canvas.cell - 0.06, fill=False, lw=0,
+                                              hatch=HATCHES["repeated"],
+                                              ec=text_color(rank_color(panel.rank))))
                 canvas.ax.text(x + canvas.cell / 2, panel.y - 0.03, "again", ha="center",
                                va="top", fontsize=FONT - 3, color="#555555")
     return canvas.fig
@@ -134,6 +135,6 @@ def show_deal(order: Sequence[int], world_size: int, *, title: str | None = None
                        fontsize=FONT - 2, color="#555555")
         if p >= len(order):
             canvas.ax.add_patch(Rectangle((x + 0.03, pad.y + 0.03), c - 0.06, c - 0.06,
-                                          fill=False, hatch="///", lw=0,
+                                          fill=False, hatch=HATCHES["repeated"], lw=0,
                                           ec=text_color(rank_color(p % world_size))))
     return canvas.fig

@@ -34,18 +34,30 @@ from ddplab.viz.canvas import (
     text_inches,
     title_width,
 )
-from ddplab.viz.palette import line_color, rank_color, text_color, tint
+from ddplab.viz.palette import HATCHES, line_color, rank_color, text_color, tint
 
 UNITS = {"B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20,
          "GiB": 2**30}
 """The units a picture may write its values in: decimal (the Playbook's GB) or binary."""
 PREDICTED = "#8A8A8A"
 """The grey of a predicted bar: a prediction belongs to no rank (see the palette)."""
-# How part k of a bar is drawn: how far its rank's colour is lightened, and its hatch.
-# The first part is the full colour, so the parameters (every stage's last to shrink)
-# anchor each bar; hatches keep parts apart where shades alone would not (yellow, grey).
-STYLES = ((0.0, None), (0.5, None), (0.78, "////"), (1.0, "...."), (0.6, "xx"),
-          (0.9, "\\\\\\\\"))
+CATEGORY_STYLES = {"parameters": (0.0, None), "gradients": (0.5, None),
+                   "optimizer": (0.78, HATCHES["optimizer"]),
+                   "activations": (1.0, HATCHES["activations"])}
+"""How each part of a bar is drawn, by its name, never by its place: how far its rank's
+colour is lightened, and its hatch (the kit-wide meaning from the palette). The parameters
+are the full colour, so they (every stage's last to shrink) anchor each bar; hatches keep
+parts apart where shades alone would not (yellow, grey)."""
+OTHER_SHADES = (0.3, 0.65, 0.9)
+"""Parts with another name (a planner's breakdown, a caller's own) get a shade, no hatch."""
+
+
+def part_style(name: str, order: Sequence[str]) -> tuple[float, str | None]:
+    """(shade, hatch) of the part `name` of a bar whose parts are `order`."""
+    if name in CATEGORY_STYLES:
+        return CATEGORY_STYLES[name]
+    others = [n for n in order if n not in CATEGORY_STYLES]
+    return OTHER_SHADES[others.index(name) % len(OTHER_SHADES)], None
 
 
 def _divisor(unit: str) -> int:
@@ -68,11 +80,11 @@ def _bar(ax, x: float, y: float, h: float, parts: Sequence[float], categories: S
          values: Mapping[str, float], scale: float, color: str, dashed: bool = False) -> float:
     """One stacked bar from (x, y), parts in `categories`' order; returns where it ends."""
     edge = line_color(color)
-    for k, name in enumerate(categories):
+    for name in categories:
         w = values.get(name, 0.0) * scale
         if w <= 0:
             continue
-        amount_, hatch = STYLES[k % len(STYLES)]
+        amount_, hatch = part_style(name, categories)
         ax.add_patch(Rectangle((x, y), w, h, fc=tint(color, amount_), ec="none", lw=0))
         if hatch:
             ax.add_patch(Rectangle((x, y), w, h, fill=False, ec=edge, hatch=hatch, lw=0))
@@ -87,8 +99,8 @@ def _bar(ax, x: float, y: float, h: float, parts: Sequence[float], categories: S
 def _legend(ax, categories: Sequence[str], width: float, extra: Sequence[Patch] = (),
             top: float = 0.0) -> None:
     handles = []
-    for k, name in enumerate(categories):
-        amount_, hatch = STYLES[k % len(STYLES)]
+    for name in categories:
+        amount_, hatch = part_style(name, categories)
         handles.append(Patch(fc=tint(PREDICTED, amount_), ec=line_color(PREDICTED),
                              hatch=hatch, label=name))
     handles += list(extra)

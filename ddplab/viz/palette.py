@@ -22,6 +22,22 @@ PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#C
 EMPTY = "#FFFFFF"
 COMBINED = "#E8E8E8"
 
+HATCHES = {
+    "waiting": "///",      # time spent waiting on other ranks: in a collective, a transfer,
+    #                        a pipeline's bubble (timelines, schedules' idle, plans)
+    "backward": "\\\\\\",   # a backward pass (pipeline schedules)
+    "partial": "---",      # a partial sum, each rank holding its share (DTensor's Partial())
+    "summed": "+++",       # a value summed over every rank, no one rank's own
+    "own copy": "xxx",     # a rank's own whole tensor: not a shard, not yet averaged
+    "dropped": "ooo",      # tokens over an expert's capacity
+    "repeated": "...",     # samples repeated to fill the last round (DistributedSampler)
+    "optimizer": "|||",    # optimizer states (memory bars)
+    "activations": "**",   # activations saved for the backward (memory bars)
+}
+"""A hatch always means one thing, in every picture of the kit (as a colour always means a
+rank): pictures take their hatches from here by meaning, never by position, and each
+picture's legend names the meanings it draws."""
+
 
 def rank_color(rank: int) -> str:
     """The colour of a rank, the same in every picture of the kit."""

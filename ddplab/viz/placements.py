@@ -14,12 +14,13 @@ output. Two kinds of rectangle, told apart by their frame:
   positions.
 
 Colour always means a rank: a rank's slice is its colour, a partial sum (this rank's
-share of a total, Partial() in DTensor's words) its colour hatched. Values that belong to
-no single rank are neutral: plain grey is the same on every rank, grey cross-hatched is
-summed over every rank, white is what other ranks hold. With `sequence_parallel=True` the
-input and output are this rank's positions of the sequence only (LayerNorm and dropout
-run there), an all-gather brings the whole sequence in and a reduce-scatter sums and
-splits it out, in place of tensor parallelism's all-reduce.
+share of a total, Partial() in DTensor's words) its colour hatched with dashes (---).
+Values that belong to no single rank are neutral: plain grey is the same on every rank,
+grey hatched with plus signs (+++) is summed over every rank, white is what other ranks
+hold. With `sequence_parallel=True` the input and output are this rank's positions of the
+sequence only (LayerNorm and dropout run there), an all-gather brings the whole sequence
+in and a reduce-scatter sums and splits it out, in place of tensor parallelism's
+all-reduce.
 
 The stages are structured records (`Stage`: what is drawn, its caption, its width), so a
 caption can be reworded without changing the drawing. Plain data in (a world size), no
@@ -44,12 +45,12 @@ from ddplab.viz.canvas import (
     text_inches,
     title_width,
 )
-from ddplab.viz.palette import COMBINED, EMPTY, line_color, rank_color, text_color, tint
+from ddplab.viz.palette import COMBINED, EMPTY, HATCHES, line_color, rank_color, text_color, tint
 
 SEQ = 0.9  # inches: the whole sequence's height
 FEAT = 0.5  # inches: the model's width d (the hidden layer is drawn 2d wide)
-PARTIAL_HATCH = "///"
-SUMMED_HATCH = "xx"
+PARTIAL_HATCH = HATCHES["partial"]
+SUMMED_HATCH = HATCHES["summed"]
 NEUTRAL_EDGE = "#777777"
 COLLECTIVE_W = 0.24  # inches: the bar where the ranks meet
 
@@ -162,8 +163,8 @@ def show_tp_flow(world_size: int = 2, *, sequence_parallel: bool = False,
                          "in: shorten the title")
     title_h = 0.45 if title else 0.15
     entries = [(r, f"rank {r}'s slice") for r in range(n)]
-    entries += [("same", "grey: the same on every rank"), ("partial", "hatched: a partial sum"),
-                ("summed", "cross-hatched: summed over every rank"
+    entries += [("same", "grey: the same on every rank"), ("partial", "dashes: a partial sum"),
+                ("summed", "plus signs: summed over every rank"
                  + (", this rank's positions" if sp else "")),
                 ("weight", "dashed: a weight, Wᵀ (in × out)"), ("other", "white: other ranks'")]
     legend = legend_rows(entries, width)

@@ -19,24 +19,30 @@ rows and labels, never the numbers (nbval compares figure sizes).
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, amount, text_inches, title_width
-from ddplab.viz.memory import PREDICTED, STYLES
-from ddplab.viz.palette import line_color, tint
+from ddplab.viz.memory import PREDICTED, part_style
+from ddplab.viz.palette import HATCHES, line_color, tint
 
 OVER = "#B00020"
 """The red of a layout that needs more memory than the GPU has."""
 STEP_PARTS = ("compute", "TP", "CP", "PP", "DP", "bubble")
 """The step's parts in the order drawn: compute, then each parallelism's exposed
 communication, then the bubble."""
-STEP_STYLES = ((0.3, None), (0.65, "--"), (0.78, "||"), (1.0, "oo"), (0.55, "++"),
-               (0.88, "**"))
-"""How each step part is drawn: shades and hatches none of the memory parts (`STYLES`)
-use, so that in one picture a fill means one thing."""
+STEP_STYLES = {"compute": (0.3, None), "TP": (0.5, HATCHES["waiting"]),
+               "CP": (0.65, HATCHES["waiting"]), "PP": (0.8, HATCHES["waiting"]),
+               "DP": (1.0, HATCHES["waiting"]), "bubble": (0.97, HATCHES["waiting"])}
+"""How each step part is drawn: computing solid; each parallelism's exposed communication
+and the bubble hatched as waiting on other ranks (the kit-wide meaning of that hatch, as in
+every timeline), told apart by their shade."""
+
+
+def step_style(name: str, order: Sequence[str]) -> tuple[float, str | None]:
+    return STEP_STYLES[name]
 GIB = 2**30
 
 
@@ -52,14 +58,15 @@ def _check(plan: Mapping, k: int) -> None:
 
 def _parts(ax, x: float, y: float, h: float, values: Sequence[tuple[str, float]],
            order: Sequence[str], scale: float, color: str,
-           styles: Sequence[tuple[float, str | None]] = STYLES) -> float:
+           style: Callable[[str, Sequence[str]], tuple[float, str | None]] = part_style
+           ) -> float:
     """A stacked bar of `values` from (x, y), each part styled by its place in `order`."""
     start = x
     for name, value in values:
         w = value * scale
         if w <= 0:
             continue
-        shade, hatch = styles[order.index(name) % len(styles)]
+        shade, hatch = style(name, order)
         ax.add_patch(Rectangle((x, y), w, h, fc=tint(color, shade), ec="none"))
         if hatch:
             ax.add_patch(Rectangle((x, y), w, h, fill=False, ec=line_color(color),
@@ -72,10 +79,11 @@ def _parts(ax, x: float, y: float, h: float, values: Sequence[tuple[str, float]]
 
 
 def _legend(ax, order: Sequence[str], x: float, y: float,
-            styles: Sequence[tuple[float, str | None]] = STYLES) -> None:
+            style: Callable[[str, Sequence[str]], tuple[float, str | None]] = part_style
+            ) -> None:
     handles = []
-    for k, name in enumerate(order):
-        shade, hatch = styles[k % len(styles)]
+    for name in order:
+        shade, hatch = style(name, order)
         handles.append(Patch(fc=tint(PREDICTED, shade), ec=line_color(PREDICTED), hatch=hatch,
                              label=name))
     ax.add_artist(ax.legend(handles=handles, loc="lower left", ncol=len(handles),
@@ -170,7 +178,7 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
             parts += [(k, v) for k, v in p.get("exposed_s", {}).items()]
             parts.append(("bubble", p["time_s"]["bubble"]))
             end = _parts(ax, x_step, top, bar_h, parts, STEP_PARTS, step_scale, PREDICTED,
-                         STEP_STYLES)
+                         step_style)
             mfu = p.get("mfu")
             ax.text(end + 0.08, top + bar_h / 2, _seconds(step) + (
                 f", MFU {mfu:.0%}" if mfu is not None else "") + (
@@ -179,7 +187,7 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     ax.text(0.3, 0.62, "memory:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
     _legend(ax, memory_order, 1.15, 0.55)
     ax.text(0.3, 0.22, "step:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
-    _legend(ax, STEP_PARTS, 1.15, 0.15, STEP_STYLES)
+    _legend(ax, STEP_PARTS, 1.15, 0.15, step_style)
     ax.text(width - 0.2, 0.62, "black line: the GPU's memory", ha="right", va="bottom",
             fontsize=FONT - 1, style="italic", color="#333333")
     ax.text(width - 0.2, 0.22, "TP … DP: exposed communication", ha="right",

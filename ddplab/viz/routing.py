@@ -26,7 +26,7 @@ from matplotlib.patches import Patch, PathPatch, Rectangle
 from matplotlib.path import Path
 
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, text_inches, title_width
-from ddplab.viz.palette import line_color, rank_color, text_color, tint
+from ddplab.viz.palette import HATCHES, line_color, rank_color, text_color, tint
 
 DROPPED = "#9A9A9A"
 """The grey of dropped rows: computed by no expert, so they belong to no rank's colour."""
@@ -154,12 +154,12 @@ def show_routing(sent, *, experts_per_rank: int, dropped=None,
         n = dropped[r].sum() * scale
         if n > 0:
             _band(ax, x_src + box_w, (out, out - n), x_dst, (drop_top, drop_top - n),
-                  rank_color(r), hatch="////")
+                  rank_color(r), hatch=HATCHES["dropped"])
             drop_top -= n
     handles = [Patch(fc=tint(rank_color(r), 0.35), ec=line_color(rank_color(r)),
                      label=f"rank {r}'s tokens") for r in range(ranks)]
     if any_dropped:
-        handles.append(Patch(fc="white", ec="#555555", hatch="////", label="dropped"))
+        handles.append(Patch(fc="white", ec="#555555", hatch=HATCHES["dropped"], label="dropped"))
     ax.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
               fontsize=FONT - 1, handlelength=1.5, columnspacing=1.2,
               bbox_to_anchor=(0.2, 0.02), bbox_transform=ax.transData)
@@ -224,7 +224,8 @@ def show_expert_load(requested, *, capacity: int | Sequence[int], experts_per_ra
                                        ec=line_color(color), lw=0.8))
             if n > cap:
                 ax.add_patch(Rectangle((x, y0 + cap * scale), bar_w, (n - cap) * scale,
-                                       fc="white", ec=line_color(color), hatch="////", lw=0.8))
+                                       fc="white", ec=line_color(color), lw=0.8,
+                                       hatch=HATCHES["dropped"]))
                 ax.text(x + bar_w / 2, y0 + n * scale + 0.04, f"-{n - cap}", ha="center",
                         va="bottom", fontsize=FONT - 3, color="#B00000")
             if not same:  # each rank's own capacity, a short line over its bar
@@ -244,7 +245,8 @@ def show_expert_load(requested, *, capacity: int | Sequence[int], experts_per_ra
     if not same:
         handles.append(Line2D([], [], color="#222222", lw=1.2, ls=(0, (2, 1)),
                               label="capacity"))
-    handles.append(Patch(fc="white", ec="#555555", hatch="////", label=f"dropped ({lost})"))
+    handles.append(Patch(fc="white", ec="#555555", hatch=HATCHES["dropped"],
+                         label=f"dropped ({lost})"))
     ax.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
               fontsize=FONT - 1, handlelength=1.5, columnspacing=1.0,
               bbox_to_anchor=(0.3, 0.0), bbox_transform=ax.transData)

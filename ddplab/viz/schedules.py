@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas
-from ddplab.viz.palette import line_color, rank_color, text_color, tint
+from ddplab.viz.palette import HATCHES, line_color, rank_color, text_color, tint
 from ddplab.viz.timeline import time_axis
 
 IDLE = "#EBEBEB"  # a lane's background: where it shows, the stage waits (the bubble)
@@ -97,7 +97,7 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
         top -= h
     grey = "#555555"
     handles = [Patch(fc=tint(grey, 0.6), ec=grey, label="forward of micro-batch k (light)"),
-               Patch(fc=grey, ec=grey, hatch="///", label="backward (dark, hatched)"),
+               Patch(fc=grey, ec=grey, hatch=HATCHES["backward"], label="backward (dark, hatched)"),
                Patch(fc=IDLE, ec="#BBBBBB", label="idle: the bubble")]
     ax.legend(handles=handles, loc="lower left", ncol=3, frameon=False, fontsize=FONT - 1,
               bbox_to_anchor=(0.0, 0.0), handlelength=1.5, columnspacing=1.2)
@@ -137,7 +137,7 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
         ax.add_patch(Rectangle(box, w, lane - 0.1, fc=color if backward else tint(color, 0.6),
                                ec="none"))
         if backward:  # white hatching: it shows on every rank's colour, dark or light
-            ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, hatch="///",
+            ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, hatch=HATCHES["backward"],
                                    ec=(1, 1, 1, 0.7), lw=0))
         ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, ec=line_color(color), lw=0.6))
         text = str(mb)

@@ -40,17 +40,22 @@ from ddplab.viz.canvas import (
     text_inches,
     title_width,
 )
-from ddplab.viz.palette import COMBINED, EMPTY, line_color, rank_color, text_color, tint
+from ddplab.viz.palette import COMBINED, EMPTY, HATCHES, line_color, rank_color, text_color, tint
 
 STATES = ("full", "shard", "none", "local")
 """What a rank holds of a tensor: every shard (gathered), its own shard only, nothing, or
 the whole tensor as a value of its own (a replica, or a gradient it computed and has not
 averaged yet): all of it, but nothing gathered from another rank."""
 COPY = 0.6  # how much lighter a gathered copy is drawn than its owner's own shard
-LOCAL_HATCH = "xxx"  # a whole tensor of the rank's own: crosshatched, not cut into shards
+# a whole tensor of the rank's own: crosshatched, not cut into shards
+LOCAL_HATCH = HATCHES["own copy"]
+MIN_BAR = 0.08
+"""The least length (inches) a tensor's bar is drawn at, where its size to scale would not
+show."""
 
 
-def _shard_legend(world_size: int, used: set[str], width: float) -> list[tuple[Patch, str]]:
+def _shard_legend(world_size: int, used: set[str], width: float,
+                  clamped: bool = False) -> list[tuple[Patch, str]]:
     handles = [(Patch(fc=tint(rank_color(r), 0.1), ec=line_color(rank_color(r)),
                       label=f"rank {r}'s own shard"), r) for r in range(world_size)]
     if "full" in used and world_size > 1:
@@ -66,6 +71,10 @@ def _shard_legend(world_size: int, used: set[str], width: float) -> list[tuple[P
     if "none" in used:
         handles.append((Patch(fc=EMPTY, ec="#777777", ls=(0, (3, 2)),
                               label="dashed: not held (not yet computed, or freed)"), "freed"))
+    handles.append((Patch(fc="none", ec="none",
+                          label="bar lengths to scale: a tensor's number of elements"
+                          + (f" (none drawn shorter than {MIN_BAR} in)" if clamped else "")),
+                    "scale"))
     return handles
 
 
@@ -82,8 +91,9 @@ def show_shards(tensors: Sequence[tuple[str, int]], world_size: int,
     rank has itself, such as DDP's replica or a gradient not yet averaged: one crosshatched
     bar in the rank's colour, since nothing of it was gathered). One panel per moment, side
     by side, wrapping onto more rows within the page; a row per rank in each, the tensors
-    as bars of equal length (the picture says who holds what; `show_memory` says how
-    much), named with their sizes over the columns.
+    as bars drawn to scale (a bar's length is its number of elements; one too small to see
+    is drawn at the least visible length, and the legend says so), named with their sizes
+    over the columns.
 
     Example (ZeRO-3 on 2 ranks): `show_shards([("fc1.weight", 100352), ("fc2.weight",
     1280)], 2, [("before forward", [["shard", "shard"]] * 2), ("fc1 gathered",
@@ -113,10 +123,15 @@ def show_shards(tensors: Sequence[tuple[str, int]], world_size: int,
                                  "(not held) or 'local' (a whole copy of its own, not "
                                  "gathered)")
             used.update(row)
-    shard_w = max(0.14, min(0.5, 0.9 / world_size))
+    # To scale: the largest tensor gets a bar long enough for each rank's shard to show,
+    # the others their share of it, none shorter than can be seen.
+    longest = max(world_size * max(0.14, min(0.5, 0.9 / world_size)), 1.6)
+    biggest = max(numel for _, numel in tensors) or 1
+    bar_ws = [max(longest * numel / biggest, MIN_BAR) for _, numel in tensors]
+    clamped = any(longest * numel / biggest < MIN_BAR for _, numel in tensors)
     names = [(name, f"{numel:,}") for name, numel in tensors]
-    col_ws = [max(world_size * shard_w, text_inches(name, FONT - 2) + 0.06,
-                  text_inches(size, FONT - 2) + 0.06) for name, size in names]
+    col_ws = [max(bw, text_inches(name, FONT - 2) + 0.06, text_inches(size, FONT - 2) + 0.06)
+              for bw, (name, size) in zip(bar_ws, names, strict=True)]
     tgap, pgap, row_h, bar_h = 0.12, 0.45, 0.27, 0.2
     label_w = text_inches(f"rank {world_size - 1}", FONT - 1, bold=True) + 0.12
     body = sum(col_ws) + tgap * (len(tensors) - 1)
@@ -130,7 +145,7 @@ def show_shards(tensors: Sequence[tuple[str, int]], world_size: int,
     chars = max(8, int(body / 0.075))
     captions = [textwrap.wrap(caption, chars) or [""] for caption, _ in moments]
     width = max(0.6 + label_w + per_row * body + (per_row - 1) * pgap, title_width(title))
-    legend = _shard_legend(world_size, used, width)
+    legend = _shard_legend(world_size, used, width, clamped)
     legend_n = len(legend_rows([(key, h.get_label()) for h, key in legend], width))
     title_h = 0.45 if title else 0.15
     head_h = 0.42  # the tensors' names and sizes
@@ -166,8 +181,8 @@ def show_shards(tensors: Sequence[tuple[str, int]], world_size: int,
                 ax.text(x0 - 0.1, y + bar_h / 2, f"rank {r}", ha="right", va="center",
                         fontsize=FONT - 1, fontweight="bold", color=text_color(rank_color(r)))
             x = x0
-            for t, cw in enumerate(col_ws):
-                _tensor(ax, x, y, cw, bar_h, r, world_size, states[r][t])
+            for t, (cw, bw) in enumerate(zip(col_ws, bar_ws, strict=True)):
+                _tensor(ax, x + (cw - bw) / 2, y, bw, bar_h, r, world_size, states[r][t])
                 x += cw + tgap
     handles = [h for h, _ in legend]
     rows = legend_rows([(key, h.get_label()) for h, key in legend], width)
@@ -366,7 +381,7 @@ def show_dtensor(global_shape: Sequence[int], mesh_shape: Sequence[int],
     handles = [Patch(fc=tint(rank_color(r)), ec=line_color(rank_color(r)),
                      label=f"rank {r}") for r in range(n_ranks)]
     if striped:
-        handles.append(Patch(fc="white", ec="#777777", hatch="////",
+        handles.append(Patch(fc=COMBINED, ec="#777777",
                              label="striped: a whole copy on every rank of its stripes "
                                    "(replicated)"))
     entries = [(r, h.get_label()) for r, h in enumerate(handles[:n_ranks])]

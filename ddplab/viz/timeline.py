@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ddplab.viz.canvas import CELL, FONT, MAX_WIDTH, Canvas, label_size
-from ddplab.viz.palette import COMBINED, EMPTY, rank_color, text_color, tint
+from ddplab.viz.palette import COMBINED, EMPTY, HATCHES, rank_color, text_color, tint
 
 NO_RANK = "#5F5F5F"
 """The dark grey of a lane that is no rank's (torchrun's agent): a colour is always a
@@ -149,7 +149,7 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int | None, float
         ax.add_patch(Rectangle((x(s.start), y(s.rank, s.lane) + 0.1),
                                max((s.end - s.start) * scale, 0.02), lane - 0.2,
                                fc=tint(color, 0.8 if s.waiting else 0.35), ec=color,
-                               hatch="///" if s.waiting else None, lw=0.8))
+                               hatch=HATCHES["waiting"] if s.waiting else None, lw=0.8))
         if (s.end - s.start) * scale > 0.085 * len(s.label) + 0.15:  # only where it fits
             ax.text(x(s.start) + 0.05, y(s.rank, s.lane) + lane / 2, s.label, ha="left",
                     va="center", fontsize=FONT - 1,
@@ -170,7 +170,7 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int | None, float
 def _legend() -> list[Patch]:
     """Solid and hatched, said once for every timeline: one hatch, one meaning."""
     return [Patch(fc=tint("#777777", 0.35), ec="#777777", label="computing (solid)"),
-            Patch(fc=tint("#777777", 0.8), ec="#777777", hatch="///",
+            Patch(fc=tint("#777777", 0.8), ec="#777777", hatch=HATCHES["waiting"],
                   label="waiting on other ranks, in a collective or a transfer (hatched)")]
 
 
@@ -226,7 +226,8 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
             drawn.add("done" if done else "open")
             if not done:
                 ax.add_patch(Rectangle((x + 0.05, y + 0.05), col - 0.1, row - 0.1, fill=False,
-                                       hatch="///", ec=text_color(rank_color(record.rank)), lw=0))
+                                       hatch=HATCHES["waiting"], lw=0,
+                                       ec=text_color(rank_color(record.rank))))
             shape = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in entry.sizes)
             ax.text(x + col / 2, y + row / 2, f"{entry.op} {shape}", ha="center",
                     va="center", fontsize=FONT - 0.5,
@@ -237,7 +238,7 @@ def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -
             ax.add_patch(Rectangle((left, y + 0.02), col * len(records), row - 0.04,
                                    fill=False, ec="#C00000", lw=2.2))
     legend = {"done": Patch(fc=tint("#777777"), ec="none", label="issued and completed"),
-              "open": Patch(fc="white", ec="#555555", hatch="///",
+              "open": Patch(fc="white", ec="#555555", hatch=HATCHES["waiting"],
                             label="issued, still waiting on other ranks"),
               "disagree": Patch(fc="white", ec="#C00000", lw=2, label="the ranks disagree"),
               "empty": Patch(fc=EMPTY, ec="#BBBBBB", ls="--", label="never issued")}
@@ -332,7 +333,7 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None,
         w = max((s.end - s.start) * scale, 0.02)
         ax.add_patch(Rectangle((x(s.start), bottom + 0.04), w, row_h - 0.08,
                                fc=tint(color, 0.8 if s.waiting else 0.35), ec=color,
-                               hatch="///" if s.waiting else None, lw=0.8))
+                               hatch=HATCHES["waiting"] if s.waiting else None, lw=0.8))
         if w > label_size(s.label)[0] + 0.08:
             ax.text(x(s.start) + w / 2, bottom + row_h / 2, s.label, ha="center",
                     va="center", fontsize=FONT - 1,
