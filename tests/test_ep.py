@@ -10,8 +10,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ddplab import Pool
-from ddplab.parallel.cp import attention, positions, ring_attention, ring_schedule, split_sequence
+from ddplab.parallel.cp import (
+    allgather_attention,
+    attention,
+    positions,
+    ring_attention,
+    ring_schedule,
+    split_sequence,
+)
 from ddplab.parallel.ep import MoE, capacity, make_moe, moe_reference, route
+from ddplab.sharding import record_collectives
 
 DIM, HIDDEN = 8, 16
 
@@ -209,6 +217,65 @@ def test_ring_attention_equals_full_attention(pool, layout):
             assert r["calls"] == [("isend", 512), ("irecv", 512)] * 3
     for r in pool.run(ring_vs_full, True, layout, [3, 1])[1::2]:  # a ring of 2, out of order
         assert r["delta"] < 1e-5 and r["shape"] == [2, 8, 8], r
+
+
+def both_ways(causal: bool, layout: str, how: str) -> dict:
+    """Max |Δ| of this rank's output rows and of its q, k, v's gradients, context-parallel
+    (`how`: "ring" or "allgather"), against full attention on one process, for a random
+    gradient of the output."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 2, 16, 8, generator=g).unbind(0)
+    grad = torch.randn(2, 16, 8, generator=g)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attention(*full, causal)
+    (want * grad).sum().backward()
+    mine = [split_sequence(t, r, n, layout).requires_grad_() for t in (q, k, v)]
+    attend = ring_attention if how == "ring" else allgather_attention
+    with record_collectives() as comms:
+        out = attend(*mine, causal=causal, layout=layout)
+        (out * split_sequence(grad, r, n, layout)).sum().backward()
+    part = {"out": (out - split_sequence(want, r, n, layout)).abs().max().item()}
+    for name, ours, theirs in zip("qkv", mine, full, strict=True):
+        theirs_mine = split_sequence(theirs.grad, r, n, layout)
+        part[f"d{name}"] = (ours.grad - theirs_mine).abs().max().item()
+    part["calls"] = [(c.kind, c.bytes) for c in comms]
+    return part
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ring", "allgather"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_context_parallel_forward_and_backward_equal_full_attention(pool, layout, how):
+    for causal in (False, True):
+        for r in pool.run(both_ways, causal, layout, how):
+            assert max(r[key] for key in ("out", "dq", "dk", "dv")) < 1e-5, (causal, r)
+            if how == "ring":  # forward: 3 K/V blocks of 512 bytes; backward: 3 of K, V, dK,
+                # dV (1,024 bytes), and the last hop of dK, dV home (512)
+                assert r["calls"] == ([("isend", 512), ("irecv", 512)] * 3
+                                      + [("isend", 1024), ("irecv", 1024)] * 3
+                                      + [("isend", 512), ("irecv", 512)]), r["calls"]
+            else:  # K and V gathered (4 x 256 bytes each); their gradients reduce-scattered
+                assert r["calls"] == ([("all_gather_single", 1024)] * 2
+                                      + [("reduce_scatter_single", 1024)] * 2), r["calls"]
+
+
+def test_score_steps_agree_with_the_ring_schedule():
+    """Who computes each score, and when (`cp.score_steps`, the picture's data), counts the
+    same work per rank and per step as `ring_schedule`, for both layouts."""
+    from ddplab.parallel.cp import score_steps
+
+    for layout in ("contiguous", "zigzag"):
+        grid = score_steps(4, 16, layout=layout)
+        counted: dict[tuple[int, int], int] = {}
+        for row in grid:
+            for score in row:
+                if score is not None:
+                    counted[score] = counted.get(score, 0) + 1
+        schedule = ring_schedule(4, 16, layout=layout)
+        assert counted == {(r, s): schedule[s][r].work for s in range(4) for r in range(4)
+                           if schedule[s][r].work}
+        assert all(grid[q][k] is None for q in range(16) for k in range(q + 1, 16))
 
 
 def test_zigzag_balances_causal_work():

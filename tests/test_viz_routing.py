@@ -145,3 +145,16 @@ def test_links_name_a_group_outside_the_mesh():
     with pytest.raises(ValueError) as info:
         viz.show_group_traffic([[0, 1]], {"run": [[("all_reduce", 4, (0, 5))]]})
     assert "not in the mesh" in str(info.value)
+
+
+def test_scores_colour_each_score_by_its_rank_and_name_the_step():
+    grid = [[(0, 0), None], [(1, 1), (1, 0)]]
+    fig = viz.show_scores({"a": grid, "b": grid}, title="scores")
+    assert fig.get_size_inches()[0] <= MAX_WIDTH
+    cells = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+    ranked = [p for p in cells if p.get_facecolor()[:3] in
+              {tuple(viz.tint(viz.rank_color(r))) for r in (0, 1)}]
+    assert len(ranked) == 6  # three scores a panel, two panels
+    assert [t for t in texts(fig) if t in ("0", "1")].count("1") >= 2
+    with pytest.raises(ValueError, match="same square matrix"):
+        viz.show_scores({"a": grid, "b": [[None]]})

@@ -24,8 +24,23 @@ sequence cut into N contiguous chunks, rank 0's queries need only their own bloc
 rank N-1's need all N, so rank 0 idles while rank N-1 works. The zig-zag split (used by
 torch's context_parallel and Llama 3's training) cuts the sequence into 2N chunks and gives
 rank r chunks r and 2N-1-r, an early one and a late one: every rank then has the same
-amount of unmasked work (`ring_schedule` counts it). Forward only: the backward is a
-second ring pass in which dK and dV travel with K and V (torch's implementation has it).
+amount of unmasked work (`ring_schedule` counts it).
+
+The backward is a second pass around the same ring (`ring_attention` is an autograd
+Function): each rank recomputes a block's probabilities from its saved log-sum-exp
+(P = exp(S - l), FlashAttention's trick: nothing of size S x S is kept), adds the block's
+share of dQ to its own, and adds the block's dK and dV to buffers that travel WITH the K/V
+block; after N steps each buffer arrives back at the rank that owns the block, holding
+every rank's contribution. So the backward moves twice the forward's bytes (K, V, dK, dV)
+and one last hop of dK, dV.
+
+`allgather_attention` is the other way, the one Llama 3 was trained with (its paper, on
+context parallelism; with the zig-zag's two chunks a rank for balance): every rank all-
+gathers the whole sequence's K and V (one collective, whose backward is a reduce-scatter
+of dK and dV) and attends with its own queries. It holds all of K and V at once (S x d,
+not S/N x d, per layer), in exchange for one collective that is easy to overlap and cheap
+when K and V are small next to Q (grouped-query attention), and it needs no online
+softmax at all.
 """
 
 from __future__ import annotations
@@ -101,46 +116,148 @@ def combine(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
             + block_out * torch.exp(block_lse - safe).unsqueeze(-1)), new
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   layout: str = "contiguous", group=None) -> torch.Tensor:
-    """This rank's rows of attention over the whole sequence, K/V passed around a ring.
-
-    q, k, v: this rank's part of the sequence [..., S/N, d], split with `split_sequence`
-    in the same `layout` on every rank of `group`. Returns this rank's output rows, in the
-    same order as its q. At step s rank r holds the K/V block of rank (r - s) mod N.
-    """
+def _ring_setup(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+                group) -> tuple[int, int, int, torch.Tensor]:
     if not (q.shape[-2] == k.shape[-2] == v.shape[-2] and k.shape == v.shape):
         raise ValueError(f"q, k and v must hold the same tokens [..., S/N, d]: got "
                          f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"this rank ({dist.get_rank()}) is not in the group it was given (its "
-                         f"ranks: {dist.get_process_group_ranks(group)}): call ring_attention "
+                         f"ranks: {dist.get_process_group_ranks(group)}): call the attention "
                          "only on the group's members")
     seq_len = q.shape[-2] * world
-    mine = positions(seq_len, rank, world, layout)  # also checks the layout and the length
-    # The neighbours, as ranks within the group (isend's group_dst, irecv's group_src).
-    after, before = (rank + 1) % world, (rank - 1) % world
-    kv = torch.stack([k, v]).contiguous()  # one message per step, not two
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
-    for step in range(world):
-        if step < world - 1:  # post the next block's transfer first, then compute
-            incoming = torch.empty_like(kv)
-            works = [dist.isend(kv, group=group, group_dst=after),
-                     dist.irecv(incoming, group=group, group_src=before)]
-        source = (rank - step) % world
-        mask = None
-        if causal:
-            theirs = positions(seq_len, source, world, layout)
-            mask = (mine.unsqueeze(1) >= theirs.unsqueeze(0)).to(q.device)
-        if mask is None or mask.any():  # a block entirely in the future is skipped
-            block_out, block_lse = block_attention(q, kv[0], kv[1], mask)
-            out, lse = combine(out, lse, block_out, block_lse)
-        if step < world - 1:
-            for work in works:
-                work.wait()
-            kv = incoming
+    return world, rank, seq_len, positions(seq_len, rank, world, layout)  # checks both
+
+
+def _mask(mine: torch.Tensor, seq_len: int, source: int, world: int, layout: str,
+          causal: bool, device: torch.device) -> torch.Tensor | None:
+    """Which of `source`'s keys each of this rank's queries may see (None: all of them)."""
+    if not causal:
+        return None
+    theirs = positions(seq_len, source, world, layout)
+    return (mine.unsqueeze(1) >= theirs.unsqueeze(0)).to(device)
+
+
+def _pass_on(tensor: torch.Tensor, after: int, before: int, group) -> torch.Tensor:
+    """Send `tensor` to the next rank of the ring and return what the previous one sent."""
+    incoming = torch.empty_like(tensor)
+    works = [dist.isend(tensor.contiguous(), group=group, group_dst=after),
+             dist.irecv(incoming, group=group, group_src=before)]
+    for work in works:
+        work.wait()
+    return incoming
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: K/V blocks around the ring, the softmax built online. Backward: the same
+    ring again, dK and dV travelling with their block (see the module's docstring)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                layout: str, group) -> torch.Tensor:
+        world, rank, seq_len, mine = _ring_setup(q, k, v, layout, group)
+        # The neighbours, as ranks within the group (isend's group_dst, irecv's group_src).
+        after, before = (rank + 1) % world, (rank - 1) % world
+        kv = torch.stack([k, v]).contiguous()  # one message per step, not two
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
+        for step in range(world):
+            if step < world - 1:  # post the next block's transfer first, then compute
+                incoming = torch.empty_like(kv)
+                works = [dist.isend(kv, group=group, group_dst=after),
+                         dist.irecv(incoming, group=group, group_src=before)]
+            mask = _mask(mine, seq_len, (rank - step) % world, world, layout, causal,
+                         q.device)
+            if mask is None or mask.any():  # a block entirely in the future is skipped
+                block_out, block_lse = block_attention(q, kv[0], kv[1], mask)
+                out, lse = combine(out, lse, block_out, block_lse)
+            if step < world - 1:
+                for work in works:
+                    work.wait()
+                kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.layout, ctx.group = causal, layout, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, layout, group = ctx.causal, ctx.layout, ctx.group
+        world, rank, seq_len, mine = _ring_setup(q, k, v, layout, group)
+        after, before = (rank + 1) % world, (rank - 1) % world
+        scale = 1 / math.sqrt(q.shape[-1])
+        # softmax's backward needs, per query, the sum over keys of P dP: that is dO · O
+        row = (grad_out * out).sum(-1, keepdim=True)
+        grad_q = torch.zeros_like(q)
+        kv = torch.stack([k, v]).contiguous()
+        grad_kv = torch.zeros_like(kv)  # the block's dK, dV: they travel with it
+        for step in range(world):
+            mask = _mask(mine, seq_len, (rank - step) % world, world, layout, causal,
+                         q.device)
+            if mask is None or mask.any():
+                scores = q @ kv[0].transpose(-2, -1) * scale
+                if mask is not None:
+                    scores = scores.masked_fill(~mask, -math.inf)
+                p = torch.exp(scores - lse.unsqueeze(-1))  # the forward's softmax, rebuilt
+                grad_kv[1] += p.transpose(-2, -1) @ grad_out
+                grad_scores = p * (grad_out @ kv[1].transpose(-2, -1) - row)
+                grad_q += grad_scores @ kv[0] * scale
+                grad_kv[0] += grad_scores.transpose(-2, -1) @ q * scale
+            if step < world - 1:  # the block and its gradients, together, to the next rank
+                kv, grad_kv = _pass_on(torch.cat([kv, grad_kv]), after, before, group).chunk(2)
+            else:  # one more hop: each block's gradients home to the rank that owns it
+                grad_kv = _pass_on(grad_kv, after, before, group)
+        return grad_q, grad_kv[0], grad_kv[1], None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   layout: str = "contiguous", group=None) -> torch.Tensor:
+    """This rank's rows of attention over the whole sequence, K/V passed around a ring;
+    differentiable: its backward passes dK and dV around the ring with their blocks.
+
+    q, k, v: this rank's part of the sequence [..., S/N, d], split with `split_sequence`
+    in the same `layout` on every rank of `group`. Returns this rank's output rows, in the
+    same order as its q. At step s rank r holds the K/V block of rank (r - s) mod N.
+    """
+    return _RingAttention.apply(q, k, v, causal, layout, group)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence (dim -2), in rank order; backward: reduce-scatter of
+    the gradient, each rank getting the sum of every rank's gradient for its own tokens."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group, world = group, dist.get_world_size(group)
+        moved = x.movedim(-2, 0).contiguous()
+        out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=x.dtype,
+                          device=x.device)
+        dist.all_gather_single(out, moved, group=group)
+        return out.movedim(0, -2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        world = dist.get_world_size(ctx.group)
+        moved = grad.movedim(-2, 0).contiguous()
+        out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=grad.dtype,
+                          device=grad.device)
+        dist.reduce_scatter_single(out, moved, group=ctx.group)
+        return out.movedim(0, -2), None
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        causal: bool = False, layout: str = "contiguous",
+                        group=None) -> torch.Tensor:
+    """This rank's rows of attention, with the whole sequence's K and V all-gathered first
+    (Llama 3's context parallelism); the same arguments and result as `ring_attention`.
+    The causal mask compares global positions, so any layout works; the gradients of K
+    and V come home by the all-gather's backward, a reduce-scatter."""
+    world, _, seq_len, mine = _ring_setup(q, k, v, layout, group)
+    everyone = torch.cat([positions(seq_len, r, world, layout) for r in range(world)])
+    k_all, v_all = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
+    mask = (mine.unsqueeze(1) >= everyone.unsqueeze(0)).to(q.device) if causal else None
+    out, _ = block_attention(q, k_all, v_all, mask)
     return out
 
 
@@ -174,3 +291,18 @@ def ring_schedule(world_size: int, seq_len: int, *, causal: bool = True,
                                 work, scores))
         schedule.append(row)
     return schedule
+
+
+def score_steps(world_size: int, seq_len: int, *, causal: bool = True,
+                layout: str = "contiguous") -> list[list[tuple[int, int] | None]]:
+    """`[q][k]`: for the score of query position q with key position k, (the rank that
+    computes it, the ring step at which it does), or None where the causal mask hides it.
+    The rank is the query's holder (queries stay); the step is how far the key's block
+    travelled to reach it, (holder - owner) mod N. Plain data for `viz.show_scores`."""
+    owner = {}
+    for rank in range(world_size):
+        for pos in positions(seq_len, rank, world_size, layout).tolist():
+            owner[pos] = rank
+    return [[None if causal and k > q
+             else (owner[q], (owner[q] - owner[k]) % world_size)
+             for k in range(seq_len)] for q in range(seq_len)]

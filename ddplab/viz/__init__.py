@@ -47,6 +47,9 @@ the values written in them (1-D tensors as a row, 2-D as a grid). The pictures, 
   each rank against the capacity, the dropped ones hatched;
 - links (`links`): `show_group_traffic`, the ranks of a 2-D mesh joined by the process
   groups recorded calls ran on, each link labelled with its calls and bytes sent;
+- scores (`scores`): `show_scores`, attention's query-key scores, each in the colour of
+  the rank that computes it and labelled with the ring step at which it does (context
+  parallelism: contiguous against zig-zag);
 - plans (`plans`): `show_plan`, the planner's prediction for one layout or several: memory
   per GPU by category against the GPU's memory, the step split into compute, exposed
   communication and bubble.
@@ -77,6 +80,7 @@ from ddplab.viz.png import png_bytes, screen_size
 from ddplab.viz.rendezvous import show_leftover, show_rendezvous, show_store
 from ddplab.viz.routing import show_expert_load, show_routing
 from ddplab.viz.schedules import idle_share, show_schedule
+from ddplab.viz.scores import show_scores
 from ddplab.viz.shards import show_dtensor, show_shards
 from ddplab.viz.tensors import (
     show_before_after,
@@ -110,6 +114,6 @@ __all__ = [
     "show_flight", "show_group_traffic", "show_inbox", "show_launch", "show_leftover",
     "show_memory", "show_memory_breakdown", "show_mesh", "show_nesting", "show_overlap",
     "show_plan", "show_ranks", "show_rendezvous", "show_ring", "show_routing",
-    "show_sampler", "show_schedule", "show_shards", "show_steps", "show_store",
+    "show_sampler", "show_schedule", "show_scores", "show_shards", "show_steps", "show_store",
     "show_timeline", "show_tp_flow", "show_transfers", "text_color", "tint",
 ]
