@@ -177,6 +177,71 @@ def test_orders_and_the_ideal_bubble():
     assert max(e.end for e in events) == 3 * (m + p - 1) + m
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_split_backward_equals_one_process(pool, stages):
+    """Zero bubble's orders (B the input's gradient, W the weights' later, by hand) give
+    one process's gradients, and each stage ran every W after its B."""
+    m = 4
+    orders = pp.zero_bubble(stages, m)
+    got = pool.run(step_on_rank_with, orders, stages, m, ranks=list(range(stages)))
+    for s in range(stages):
+        o = got[s]
+        assert o["delta"] < 1e-6, (s, o["delta"])
+        assert [f"{e.kind}{e.micro_batch}" for e in o["record"].events] == orders[s]
+    assert got[stages - 1]["record"].loss == pytest.approx(got[stages - 1]["loss"], rel=1e-5)
+
+
+def step_on_rank_with(orders, stages: int, micro_batches: int) -> dict:
+    group = group_of(stages)
+    return step_on_rank(orders[dist.get_rank(group)], stages, micro_batches)
+
+
+def test_zero_bubble_orders_shrink_the_bubble_and_bound_what_is_owed():
+    for p, m in [(2, 4), (4, 4), (4, 8), (3, 5)]:
+        one = max(e.end for e in pp.ideal([pp.order("1f1b", s, p, m) for s in range(p)], m))
+        for bounded in (True, False):
+            orders = pp.zero_bubble(p, m, bounded=bounded)
+            zb = pp.ideal(orders, m)
+            total = max(e.end for e in zb)
+            assert 3 * m < total < one, (p, m, bounded, total, one)  # F 1, B 1, W 1: 3m of work
+            for s, steps in enumerate(orders):
+                pp.check_order(steps, m)
+                # F's and B's keep 1F1B's order; only the W's move
+                assert [x for x in steps if x[0] != "W"] == pp.order("1f1b", s, p, m)
+                owed = most = 0
+                for x in steps:
+                    owed += (x[0] == "B") - (x[0] == "W")
+                    most = max(most, owed)
+                if bounded:
+                    assert most <= max(p - s - 1, 1), (p, m, s, steps)
+    # 4 stages, 8 micro-batches: 1F1B 33 units, bounded 30, unbounded 27 (3m + p - 1)
+    assert max(e.end for e in pp.ideal(pp.zero_bubble(4, 8), 8)) == 30
+    assert max(e.end for e in pp.ideal(pp.zero_bubble(4, 8, bounded=False), 8)) == 27
+    with pytest.raises(ValueError, match="W1 comes before B1"):
+        pp.check_order(["F0", "F1", "B0", "W0", "W1", "B1"], 2)
+    with pytest.raises(ValueError, match=r"never runs W1.*\(B and W\)"):
+        pp.check_order(["F0", "F1", "B0", "W0", "B1"], 2)
+    with pytest.raises(ValueError, match="weight must be a part of backward"):
+        pp.zero_bubble(2, 2, weight=3)
+
+
+def test_a_split_backward_refuses_a_stage_it_cannot_split(pool):
+    def refused() -> str:
+        stage = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        try:
+            pp.train_step(stage, schedule=["F0", "B0", "W0"], micro_batches=1,
+                          inputs=torch.zeros(2, 4), group=dist.new_group([dist.get_rank()],
+                                                                            use_local_synchronization=True),
+                          targets=torch.zeros(2, 4), loss_fn=nn.functional.mse_loss)
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    for message in pool.run(refused):
+        assert "nn.Linear layers only" in message and "1.weight" in message, message
+
+
 def test_bad_input_is_refused_with_its_fix():
     with pytest.raises(ValueError, match="10 layers do not divide into 4 equal stages"):
         pp.split(nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)]), 4)

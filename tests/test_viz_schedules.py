@@ -73,9 +73,25 @@ def test_an_ideal_schedule_alone_is_drawn_in_units_of_time():
 def test_bad_events_are_refused():
     with pytest.raises(ValueError, match="no events"):
         viz.show_schedule([])
-    with pytest.raises(ValueError, match="'F' \\(forward\\) or 'B'"):
+    with pytest.raises(ValueError, match="'F' \\(forward\\), 'B' \\(backward\\) or 'W'"):
         viz.show_schedule([(0, "X", 0, 0.0, 1.0)])
     with pytest.raises(ValueError, match=r"ends .* before it starts"):
         viz.show_schedule([(0, "F", 0, 2.0, 1.0)])
     with pytest.raises(ValueError, match="give one rank per stage"):
         viz.show_schedule(gpipe(2, 2), ranks=[0])
+
+
+def test_a_split_backward_draws_w_and_unit_panels_share_a_scale():
+    from ddplab.parallel import pp
+
+    zb = pp.ideal(pp.zero_bubble(2, 2), 2)       # 2 stages: 3 units of work each, and idle
+    one = pp.ideal([pp.order("1f1b", s, 2, 2) for s in range(2)], 2)
+    fig = viz.show_schedule(zb, one, measured=False)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "its weights' gradient (W)" in legend and "its input's gradient (B)" in legend
+    # a forward is one unit in both panels: drawn the same width, though the steps differ
+    widths = {round(p.get_width(), 6) for p in fig.axes[0].patches
+              if isinstance(p, Rectangle) and p.get_facecolor()[3] == 1 and p.get_height() < 0.4
+              and p.get_fill()}
+    assert max(e.end for e in zb) != max(e.end for e in one)
+    assert len({w for w in widths if w < 1.0}) <= 2  # F, B and W of 1 unit, 1F1B's B of 2

@@ -25,6 +25,15 @@ Both leave the same idle time, the "bubble": with equal stages and a backward tw
 forward, each stage idles (p − 1)/(m + p − 1) of the step (the Ultra-Scale Playbook's
 (p − 1)/m of the ideal time). More micro-batches shrink it; 1F1B only saves memory.
 
+Zero bubble (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): a backward is two
+matrix products per layer, the gradient of its input (B), which the previous stage is
+waiting for, and the gradient of its weights (W), which nobody waits for until the
+optimizer step. Split them (an order with "W3" steps: then "B3" computes the input's
+gradient only) and the W's can fill the time a stage would otherwise idle. `zero_bubble`
+finds such orders by running the ideal schedule: 1F1B's forwards and input backwards, and
+a W wherever the stage would wait. `train_step` runs W by hand for stages of `nn.Linear`
+layers: B saves each layer's output gradient, W multiplies it with the layer's input.
+
 Each stage records when it ran each forward and backward (`Event`s, on a clock the caller
 gives: every rank of one machine shares `time.perf_counter()`), and how many micro-batches'
 activations it held at most, and their bytes (the tensors autograd saved, counted with
@@ -194,13 +203,17 @@ def _check_counts(stage: int, stages: int, micro_batches: int) -> None:
 
 def check_order(steps: Sequence[str], micro_batches: int) -> list[tuple[str, int]]:
     """Parse an order ("F0", "B0", ...) into (kind, micro-batch) pairs, refusing one that
-    cannot run: every micro-batch's forward once, its backward once, after its forward."""
+    cannot run: every micro-batch's forward once, its backward once, after its forward;
+    and, in an order that splits the backward (any "W" step), every micro-batch's W once,
+    after its B."""
     parsed, done = [], set()
+    split = any(isinstance(step, str) and step[:1] == "W" for step in steps)
     for step in steps:
-        if not (isinstance(step, str) and len(step) > 1 and step[0] in "FB"
+        if not (isinstance(step, str) and len(step) > 1 and step[0] in "FBW"
                 and step[1:].isdigit()):
-            raise ValueError(f"{step!r} is not a step: write 'F3' for micro-batch 3's forward "
-                             "and 'B3' for its backward")
+            raise ValueError(f"{step!r} is not a step: write 'F3' for micro-batch 3's forward, "
+                             "'B3' for its backward (and 'W3' for its weights' gradient, "
+                             "if the backward is split)")
         kind, mb = step[0], int(step[1:])
         if mb >= micro_batches:
             raise ValueError(f"{step}: there are only {micro_batches} micro-batches, 0 to "
@@ -211,12 +224,16 @@ def check_order(steps: Sequence[str], micro_batches: int) -> list[tuple[str, int
         if kind == "B" and ("F", mb) not in done:
             raise ValueError(f"B{mb} comes before F{mb}: a backward needs its forward's "
                              "activations")
+        if kind == "W" and ("B", mb) not in done:
+            raise ValueError(f"W{mb} comes before B{mb}: the weights' gradient needs the "
+                             "output gradients the input backward (B) computes")
         done.add((kind, mb))
         parsed.append((kind, mb))
-    missing = [f"{k}{i}" for i in range(micro_batches) for k in "FB" if (k, i) not in done]
+    kinds = "FBW" if split else "FB"
+    missing = [f"{k}{i}" for i in range(micro_batches) for k in kinds if (k, i) not in done]
     if missing:
         raise ValueError(f"the order never runs {', '.join(missing)}: every micro-batch needs "
-                         "its forward and its backward")
+                         "its forward and its backward" + (" (B and W)" if split else ""))
     return parsed
 
 
@@ -274,9 +291,12 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
         shape = (inputs.shape[0] // m, *inputs.shape[1:])
     if dtype is None:
         dtype = next(stage_module.parameters(), torch.empty(())).dtype
+    split = any(kind == "W" for kind, _ in plan)
+    linears = _linears(stage_module) if split else []
     wait = datetime.timedelta(seconds=timeout)
     params = {q.untyped_storage().data_ptr() for q in stage_module.parameters()}
     record = StepRecord(s, p, steps)
+    tapes: dict[int, list[list]] = {}  # mb -> [layer, its input, its output's gradient]
     held: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # mb -> (input, output, bytes)
     sends: list[tuple] = []  # (work, peer, what, mb, tensor): kept alive until the step's end
     in_bytes = 0
@@ -316,7 +336,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
 
             start = clock()
             with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved
-                  else contextlib.nullcontext()):
+                  else contextlib.nullcontext()), _taping(linears, tapes.setdefault(mb, [])):
                 y = stage_module(x)
                 if last:
                     y = loss_fn(y, labels[mb]) / m  # the m micro-batches' mean, accumulated
@@ -330,7 +350,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             in_bytes += held[mb][2]
             record.peak_in_flight = max(record.peak_in_flight, len(held))
             record.peak_bytes = max(record.peak_bytes, in_bytes)
-        else:
+        elif kind == "B" and not split:
             grad = None if last else receive(s + 1, "gradient", mb)
             x, y, nbytes = held.pop(mb)
             start = clock()
@@ -340,6 +360,25 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             if not first:
                 sends.append((dist.isend(x.grad, group=group, group_dst=s - 1), s - 1,
                               "gradient", mb, x.grad))
+        elif kind == "B":  # the input's gradient only; each layer's output gradient taped
+            grad = None if last else receive(s + 1, "gradient", mb)
+            x, y, _ = held[mb]
+            start = clock()
+            # what to differentiate for: x, or (stage 0) the first layer's output, so that
+            # the gradient flows through every layer and their hooks tape it
+            (dx,) = torch.autograd.grad(y, [x if not first else tapes[mb][0][2]], grad)
+            end = clock()
+            for entry in tapes[mb]:
+                entry[2] = None  # the outputs are no longer needed; their gradients are
+            if not first:
+                sends.append((dist.isend(dx, group=group, group_dst=s - 1), s - 1,
+                              "gradient", mb, dx))
+        else:  # W: each layer's weight gradient from its input and its output's gradient
+            start = clock()
+            for layer, inp, _, grad_out in tapes.pop(mb):
+                _add_grad(layer, inp, grad_out)
+            end = clock()
+            in_bytes -= held.pop(mb)[2]
         record.events.append(Event(s, kind, mb, start - t0, end - t0))
     for work, peer, what, mb, _ in sends:
         finish(work, peer, what, mb, sending=True)
@@ -348,15 +387,66 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
     return record
 
 
+def _linears(stage_module: nn.Module) -> list[nn.Linear]:
+    """The stage's linear layers, refusing a stage with other parameters: a split backward
+    computes W by hand, which this file knows for `nn.Linear` only."""
+    linears = [mod for mod in stage_module.modules() if isinstance(mod, nn.Linear)]
+    covered = {id(q) for mod in linears for q in mod.parameters(recurse=False)}
+    other = [name for name, q in stage_module.named_parameters() if id(q) not in covered]
+    if other:
+        raise ValueError(f"a split backward (an order with W steps) computes the weights' "
+                         f"gradients of nn.Linear layers only; this stage also has {other}: "
+                         "use an order without W, or a stage of linear layers and "
+                         "parameter-free ones")
+    if not linears:
+        raise ValueError("a split backward needs a stage with nn.Linear layers to take W from")
+    return linears
+
+
+@contextlib.contextmanager
+def _taping(linears: Sequence[nn.Linear], tape: list[list]):
+    """Note each linear layer's input in the forward, and its output's gradient when the
+    backward (B) computes it: W's two factors."""
+    def note(layer: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        entry = [layer, args[0].detach(), output, None]
+        tape.append(entry)
+        output.register_hook(lambda grad: entry.__setitem__(3, grad))
+
+    handles = [layer.register_forward_hook(note) for layer in linears]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _add_grad(layer: nn.Linear, inp: torch.Tensor, grad_out: torch.Tensor | None) -> None:
+    """W for one layer and micro-batch: dW = dYᵀ X and db = Σ dY over the rows, added to
+    `.grad` as autograd would."""
+    if grad_out is None:  # the layer's output did not reach the loss: no gradient
+        return
+    rows_in = inp.reshape(-1, inp.shape[-1])
+    rows_out = grad_out.reshape(-1, grad_out.shape[-1])
+    for param, value in ((layer.weight, rows_out.T @ rows_in),
+                         (layer.bias, rows_out.sum(0) if layer.bias is not None else None)):
+        if param is not None:
+            param.grad = value if param.grad is None else param.grad + value
+
+
 def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *,
           forward: float | Sequence[float] = 1.0,
-          backward: float | Sequence[float] = 2.0) -> list[Event]:
+          backward: float | Sequence[float] = 2.0,
+          weight: float | Sequence[float] | None = None) -> list[Event]:
     """The schedule as it would run with no overhead: stage s runs `orders[s]` in its order,
     each step as soon as its stage is free and its input has arrived (a forward needs the
     previous stage's forward of the same micro-batch, a backward the next stage's
     backward), a forward taking `forward` units of time and a backward `backward` (twice a
     forward, as for a matrix product: the gradients of its input and of its weights);
     either may be one time per stage instead, for unequal stages.
+
+    Orders that split the backward (with "W" steps) give W `weight` of it (by default
+    half: the weights' product is as large as the input's) and B the rest; a W waits for
+    nothing but its own stage's B.
 
     Arithmetic only, the same dependencies `train_step`'s messages impose, so the idle
     time counted here is the bubble of the formula. Orders that could never finish
@@ -366,6 +456,13 @@ def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *,
     if p < 1:
         raise ValueError("ideal() needs the orders of at least one stage")
     times = {"F": _per_stage("forward", forward, p), "B": _per_stage("backward", backward, p)}
+    if any(step[:1] == "W" for steps in orders for step in steps):
+        w = _per_stage("weight", weight if weight is not None
+                       else [b / 2 for b in times["B"]], p)
+        if any(wt >= bt for wt, bt in zip(w, times["B"], strict=True)):
+            raise ValueError("weight must be a part of backward: give weight < backward")
+        times["W"] = w
+        times["B"] = [bt - wt for bt, wt in zip(times["B"], w, strict=True)]
     plans = [check_order(steps, micro_batches) for steps in orders]
     done: dict[tuple[int, str, int], float] = {}  # (stage, kind, mb) -> end time
     free = [0.0] * p
@@ -397,6 +494,68 @@ def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *,
                                  f"from stage {source}")
             raise ValueError("these orders deadlock: " + "; ".join(waits))
     return sorted(events, key=lambda e: (e.stage, e.start))
+
+
+def zero_bubble(stages: int, micro_batches: int, *, forward: float = 1.0,
+                backward: float = 2.0, weight: float | None = None,
+                bounded: bool = True) -> list[list[str]]:
+    """Orders with a split backward that fill 1F1B's idle time with weight gradients: each
+    stage runs 1F1B's forwards and input backwards (B) in 1F1B's order, and whenever the
+    next of those could not start yet, the oldest W still owed, if it ends before that one
+    can start; the W's left run at the end. A W owed keeps what it needs of its
+    micro-batch (each layer's input and output gradient): `bounded` lets stage s owe at
+    most p − s − 1 of them, what its cool-down has room for (one more, and it pays the
+    oldest first), so that no stage holds more than under 1F1B, the memory of the paper's
+    ZB-H1; `bounded=False` lets W's wait as long as they fill idle time, for a smaller
+    bubble and more memory held. Found by running the ideal schedule with these times
+    (`ideal`'s), as zero-bubble schedules are (Qi et al. 2024 fit them to measured times).
+    A greedy search: the paper's hand-made ZB-H1 does better within the same memory."""
+    p, m = stages, micro_batches
+    _check_counts(0, p, m)
+    w = backward / 2 if weight is None else weight
+    if not 0 < w < backward:
+        raise ValueError("weight must be a part of backward: give 0 < weight < backward")
+    cost = {"F": forward, "B": backward - w, "W": w}
+    plans = [[(step[0], int(step[1:])) for step in order("1f1b", s, p, m)] for s in range(p)]
+    done: dict[tuple[int, str, int], float] = {}
+    free, nxt = [0.0] * p, [0] * p
+    owed: list[list[int]] = [[] for _ in range(p)]
+    orders: list[list[str]] = [[] for _ in range(p)]
+    while any(nxt[s] < len(plans[s]) or owed[s] for s in range(p)):
+        best = guess = None  # (start, stage, kind, mb): the action that can start soonest
+        for s in range(p):
+            ready = None
+            full = bounded and len(owed[s]) > p - s - 1  # more than its cool-down takes
+            if nxt[s] < len(plans[s]):
+                kind, mb = plans[s][nxt[s]]
+                need = ((s - 1, "F", mb) if kind == "F" and s > 0 else
+                        (s + 1, "B", mb) if kind == "B" and s < p - 1 else None)
+                if (need is None or need in done) and not (full and owed[s]):
+                    ready = max(free[s], done[need] if need else 0.0)
+                    option = (ready, s, kind, mb)
+                    if best is None or option < best:
+                        best = option
+            if owed[s]:
+                option = (free[s], s, "W", owed[s][0])
+                if ((ready is not None and free[s] + cost["W"] <= ready)
+                        or nxt[s] == len(plans[s]) or full):
+                    if best is None or option < best:
+                        best = option
+                elif ready is None and (guess is None or option < guess):
+                    guess = option  # a W while waiting for what nobody has computed yet
+        best = best or guess  # such a W only when no stage can do anything known
+        if best is None:  # cannot happen for 1F1B's orders; kept as a guard
+            raise RuntimeError("zero_bubble: no stage can move")
+        start, s, kind, mb = best
+        done[(s, kind, mb)] = free[s] = start + cost[kind]
+        orders[s].append(f"{kind}{mb}")
+        if kind == "W":
+            owed[s].pop(0)
+        else:
+            nxt[s] += 1
+            if kind == "B":
+                owed[s].append(mb)
+    return orders
 
 
 def bubble(p: int, m: int) -> float:

@@ -41,8 +41,9 @@ def _rows(events: Sequence[Any]) -> list[Row]:
         stage, kind, mb, start, end = row
         if int(stage) < 0:
             raise ValueError(f"an event's stage is a number from 0, not {stage!r}")
-        if kind not in ("F", "B"):
-            raise ValueError(f"an event's kind is 'F' (forward) or 'B' (backward), not {kind!r}")
+        if kind not in ("F", "B", "W"):
+            raise ValueError(f"an event's kind is 'F' (forward), 'B' (backward) or 'W' (the "
+                             f"weights' gradient, of a split backward), not {kind!r}")
         if end < start:
             raise ValueError(f"event {kind}{mb} on stage {stage} ends ({end}) before it starts "
                              f"({start})")
@@ -68,7 +69,9 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
                   names: tuple[str, str] = ("measured, in seconds", "ideal, in units of time"),
                   measured: bool = True) -> Figure:
     """A pipeline step, one lane per stage: every micro-batch's forward (light) and backward
-    (dark, hatched), numbered, and the idle time between them (grey, its share at the end).
+    (dark, hatched; where the backward is split, its input's gradient B dark and hatched
+    and its weights' gradient W in between, unhatched), numbered, and the idle time
+    between them (grey, its share at the end).
 
     `events` are measured, in seconds (with `measured=False`: in units of time, as an
     ideal schedule); `ideal`, if given, is drawn below them in units of time (e.g.
@@ -92,23 +95,34 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
     canvas = Canvas(MAX_WIDTH, height, CELL, title)
     ax = canvas.ax
     top = height - title_h
+    # panels in units of time share one scale, so that their lengths compare
+    unit_span = max((max(r[4] for r in rows) - min(r[3] for r in rows)
+                     for _, rows, units in panels if units), default=None)
     for (name, rows, units), h in zip(panels, panel_h, strict=True):
-        _panel(ax, name, rows, units, stages, ranks, top, left, axis, lane)
+        _panel(ax, name, rows, units, stages, ranks, top, left, axis, lane,
+               unit_span if units else None)
         top -= h
     grey = "#555555"
+    split = any(r[1] == "W" for _, rows, _ in panels for r in rows)
     handles = [Patch(fc=tint(grey, 0.6), ec=grey, label="forward of micro-batch k (light)"),
-               Patch(fc=grey, ec=grey, hatch=HATCHES["backward"], label="backward (dark, hatched)"),
+               Patch(fc=grey, ec=grey, hatch=HATCHES["backward"],
+                     label="its input's gradient (B)" if split else "backward (dark, hatched)"),
+               *([Patch(fc=tint(grey, 0.3), ec=grey, label="its weights' gradient (W)")]
+                 if split else []),
                Patch(fc=IDLE, ec="#BBBBBB", label="idle: the bubble")]
-    ax.legend(handles=handles, loc="lower left", ncol=3, frameon=False, fontsize=FONT - 1,
+    ax.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
+              fontsize=FONT - 1,
               bbox_to_anchor=(0.0, 0.0), handlelength=1.5, columnspacing=1.2)
     return canvas.fig
 
 
 def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
-           ranks: list[int], top: float, left: float, axis: float, lane: float) -> None:
-    """One schedule: its name, a lane per stage, the boxes, the idle shares, the axis."""
+           ranks: list[int], top: float, left: float, axis: float, lane: float,
+           span: float | None = None) -> None:
+    """One schedule: its name, a lane per stage, the boxes, the idle shares, the axis
+    (`span`, if given, is the time the whole axis stands for: one scale for several)."""
     t0, t1 = min(r[3] for r in rows), max(r[4] for r in rows)
-    scale = axis / max(t1 - t0, 1e-12)
+    scale = axis / max(span or t1 - t0, 1e-12)
     ax.text(0.3, top - 0.05, name, ha="left", va="top", fontsize=FONT, color="#444444",
             style="italic")
     first = top - 0.3
@@ -122,7 +136,8 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
     shares = idle_share(rows)
     for stage in stages:
         color = rank_color(ranks[stage])
-        ax.add_patch(Rectangle((left, y(stage) + 0.05), axis, lane - 0.1, fc=IDLE, ec="none"))
+        ax.add_patch(Rectangle((left, y(stage) + 0.05), (t1 - t0) * scale, lane - 0.1, fc=IDLE,
+                               ec="none"))
         ax.text(left - 0.1, y(stage) + lane / 2, f"stage {stage} · rank {ranks[stage]}",
                 ha="right", va="center", fontsize=FONT, fontweight="bold",
                 color=text_color(color))
@@ -134,8 +149,8 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
         w = max((end - start) * scale, 0.015)
         backward = kind == "B"
         box = (x(start), y(stage) + 0.05)
-        ax.add_patch(Rectangle(box, w, lane - 0.1, fc=color if backward else tint(color, 0.6),
-                               ec="none"))
+        fill = color if backward else tint(color, 0.3 if kind == "W" else 0.6)
+        ax.add_patch(Rectangle(box, w, lane - 0.1, fc=fill, ec="none"))
         if backward:  # white hatching: it shows on every rank's colour, dark or light
             ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, hatch=HATCHES["backward"],
                                    ec=(1, 1, 1, 0.7), lw=0))
@@ -145,11 +160,11 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
             ax.text(x(start) + w / 2, y(stage) + lane / 2, text, ha="center", va="center",
                     fontsize=FONT - 1 if w > 0.18 else FONT - 3,
                     bbox={"fc": "white", "ec": "none", "alpha": 0.8, "pad": 0.6}
-                    if backward else None)
+                    if kind != "F" else None)
     base = first - lane * len(stages) - 0.03
     if units:
-        ax.plot([left, left + axis], [base, base], color="#555555", lw=0.8)
-        step = max(1, round((t1 - t0) / 12))
+        ax.plot([left, x(t1)], [base, base], color="#555555", lw=0.8)
+        step = max(1, round((span or t1 - t0) / 12))
         for k in range(0, int(t1 - t0 + 1e-9) + 1, step):
             ax.plot([x(t0 + k)] * 2, [base, base - 0.06], color="#555555", lw=0.8)
             ax.text(x(t0 + k), base - 0.1, f"{k}", ha="center", va="top", fontsize=FONT - 1)
