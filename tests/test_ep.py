@@ -18,7 +18,15 @@ from ddplab.parallel.cp import (
     ring_schedule,
     split_sequence,
 )
-from ddplab.parallel.ep import MoE, capacity, make_moe, moe_reference, route
+from ddplab.parallel.ep import (
+    MoE,
+    average_gradients,
+    capacity,
+    load_balancing_loss,
+    make_moe,
+    moe_reference,
+    route,
+)
 from ddplab.sharding import record_collectives
 
 DIM, HIDDEN = 8, 16
@@ -183,6 +191,84 @@ def test_no_process_group_is_named():
         pytest.skip("this test process has a process group")
     with pytest.raises(RuntimeError, match="moe_reference on one process"):
         MoE(*make_moe(DIM, HIDDEN, 4))
+
+
+def test_the_balancing_loss_is_one_when_balanced_and_e_when_all_pick_one():
+    """Switch's E · Σ f_e P_e: 1 for a uniform router and an even split of the choices, near
+    E when every token picks expert 0 with certainty; its gradient reaches the router."""
+    e = 4
+    router = nn.Linear(DIM, e, bias=False)
+    nn.init.zeros_(router.weight)                       # uniform probabilities
+    x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(0))
+    r = route(x, router, 1, 4.0)
+    r.expert[:] = torch.arange(8).remainder(e).unsqueeze(1)  # an even split of the choices
+    assert load_balancing_loss(r).item() == pytest.approx(1.0)
+    x = torch.ones(8, DIM)
+    with torch.no_grad():
+        router.weight[0] = 50.0                          # every token, expert 0, certainly
+    assert load_balancing_loss(route(x, router, 1, 4.0)).item() == pytest.approx(e, rel=1e-3)
+    with torch.no_grad():
+        router.weight[0] = 0.1                           # every token, expert 0, mildly
+    hot = route(x, router, 1, 4.0)
+    loss = load_balancing_loss(hot)
+    assert 1 < loss.item() < e
+    loss.backward()  # lowers the chosen expert's probability: its row's gradient is positive
+    assert (router.weight.grad[0] > 0).all() and (router.weight.grad[1:] < 0).all()
+    with pytest.raises(ValueError, match="no router probabilities"):
+        from dataclasses import replace
+        load_balancing_loss(replace(hot, probs=None))
+
+
+class _DenseThenMoE(nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        torch.manual_seed(3)
+        self.dense, self.moe = nn.Linear(DIM, DIM), moe
+
+    def forward(self, x):
+        return self.moe(self.dense(x))
+
+
+def ep_times_dp(alpha: float = 0.01) -> dict:
+    """EP over ranks {0, 1} and {2, 3} (4 experts, 2 a rank), DP over {0, 2} and {1, 3}: one
+    step's gradients (loss: mean of the output's squares plus alpha times the balancing
+    loss, per rank) after `average_gradients`, against one process running every rank's
+    tokens through the same layers with the world's mean loss."""
+    r = dist.get_rank()
+    ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ep, dp = ep_groups[r // 2], dp_groups[r % 2]
+    router, experts = make_moe(DIM, HIDDEN, 4, seed=5)
+    model = _DenseThenMoE(MoE(router, experts, top_k=2, capacity_factor=1.0, group=ep))
+    groups = tokens([6, 6, 6, 6], seed=9)
+    y = model(groups[r])
+    (y.square().mean() + alpha * model.moe.aux_loss).backward()
+    average_gradients(model, model.moe, dp_group=dp)
+    # one process: the same dense layer, router and experts; each rank's tokens as a group
+    router_ref, experts_ref = make_moe(DIM, HIDDEN, 4, seed=5)
+    torch.manual_seed(3)
+    dense_ref = nn.Linear(DIM, DIM)
+    losses = []
+    for x in groups:
+        h = dense_ref(x)
+        out = moe_reference([h], router_ref, experts_ref, top_k=2, capacity_factor=1.0)[0]
+        aux = load_balancing_loss(route(h, router_ref, 2, 1.0))
+        losses.append(out.square().mean() + alpha * aux)
+    torch.stack(losses).mean().backward()
+    local = experts_ref[2 * (r % 2):2 * (r % 2) + 2]
+    pairs = ([(model.dense.weight, dense_ref.weight), (model.dense.bias, dense_ref.bias),
+              (model.moe.router.weight, router_ref.weight)]
+             + [(a, b) for mine, ref in zip(model.moe.experts, local, strict=True)
+                for a, b in zip(mine.parameters(), ref.parameters(), strict=True)])
+    return {"delta": max((a.grad - b.grad).abs().max().item() for a, b in pairs),
+            "dropped": model.moe.last.routing.dropped()}
+
+
+@pytest.mark.slow
+def test_ep_times_dp_equals_one_process(pool):
+    for r, out in enumerate(pool.run(ep_times_dp)):
+        assert out["delta"] < 1e-6, (r, out)
+    assert sum(out["dropped"] for out in pool.run(ep_times_dp)) > 0  # the capacity bit
 
 
 # --- ring attention (ddplab.parallel.cp) -------------------------------------------------

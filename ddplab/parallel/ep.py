@@ -61,6 +61,7 @@ class Routing:
     kept: torch.Tensor  # [T, k] bool
     capacity: int
     num_experts: int
+    probs: torch.Tensor | None = None  # [T, E]: the router's softmax, for the balancing loss
 
     def requested(self) -> list[int]:
         """Choices per expert before the capacity: the load the router asked for."""
@@ -99,7 +100,22 @@ def route(x: torch.Tensor, router: nn.Linear, top_k: int,
     one_hot = nn.functional.one_hot(order, num_experts)
     position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1
     kept = (position < cap).reshape(top_k, -1).t()
-    return Routing(expert, weight, kept, cap, num_experts)
+    return Routing(expert, weight, kept, cap, num_experts, probs)
+
+
+def load_balancing_loss(r: Routing) -> torch.Tensor:
+    """The Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4), E · Σ_e f_e P_e:
+    f_e is the share of this group's choices that went to expert e (before the capacity;
+    for top-k, of the T·k choices) and P_e the router's mean probability for e. It is 1
+    when both are uniform and grows to E when every token picks one expert with certainty.
+    f is counted, so the gradient flows through P alone: it lowers the probability of the
+    experts that are chosen most. Add it to the loss with a small weight (Switch: 0.01)."""
+    if r.probs is None:
+        raise ValueError("this Routing carries no router probabilities (a record's copy): "
+                         "compute the loss from `route(...)`'s result, or MoE.aux_loss")
+    counts = torch.bincount(r.expert.reshape(-1), minlength=r.num_experts)
+    share = counts.to(r.probs.dtype) / r.expert.numel()
+    return r.num_experts * (share * r.probs.mean(dim=0)).sum()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -170,10 +186,12 @@ class MoE(nn.Module):
         self.router = router
         self.experts = nn.ModuleList(experts[rank * self.local:(rank + 1) * self.local])
         self.last: Dispatch | None = None
+        self.aux_loss: torch.Tensor | None = None  # the last forward's balancing loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_tokens(x, self.router)
         r = route(x, self.router, self.top_k, self.capacity_factor)
+        self.aux_loss = load_balancing_loss(r)
         token, expert, gate = _kept_choices(r)
         # Sort the kept rows by expert: then rank 0's rows come first, then rank 1's, ...
         order = torch.argsort(expert, stable=True)
@@ -199,10 +217,31 @@ class MoE(nn.Module):
         back = all_to_all(out, recv, send, self.group)
         # The record keeps the gates without their autograd graph, so holding it after
         # backward does not hold the router's graph too.
-        self.last = Dispatch(replace(r, weight=r.weight.detach()), counts.tolist(),
-                             counts_in.tolist())
+        self.last = Dispatch(replace(r, weight=r.weight.detach(), probs=None),
+                             counts.tolist(), counts_in.tolist())
         y = torch.zeros_like(x)
         return y.index_add(0, token, back * gate.unsqueeze(1).to(back.dtype))
+
+
+def average_gradients(model: nn.Module, moe: MoE, dp_group=None) -> None:
+    """EP × DP after the backward: every gradient summed over the ranks that hold a copy
+    of its parameter, then divided by the world's size (each rank's loss is a mean over its
+    own tokens, so the world's mean loss is their mean). An expert's copies are on the
+    ranks of `dp_group` (the same place in the other EP groups; None when the EP group is
+    the whole world and each expert exists once); every other parameter (router,
+    attention, embeddings: data-parallel) is on every rank. An expert's gradient already
+    holds what every rank of its EP group sent it: the all-to-all's backward brought it
+    home."""
+    experts = {id(q) for q in moe.experts.parameters()}
+    world = dist.get_world_size()
+    for q in model.parameters():
+        if q.grad is None:
+            continue
+        if id(q) not in experts:
+            dist.all_reduce(q.grad)
+        elif dp_group is not None:
+            dist.all_reduce(q.grad, group=dp_group)
+        q.grad /= world
 
 
 def _kept_choices(r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
