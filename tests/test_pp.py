@@ -197,27 +197,26 @@ def step_on_rank_with(orders, stages: int, micro_batches: int) -> dict:
     return step_on_rank(orders[dist.get_rank(group)], stages, micro_batches)
 
 
-def test_zero_bubble_orders_shrink_the_bubble_and_bound_what_is_owed():
-    for p, m in [(2, 4), (4, 4), (4, 8), (3, 5)]:
+def test_zero_bubble_orders_reach_zb_h1_within_1f1bs_memory():
+    """With F, B and W of one unit, the orders' step is ZB-H1's, m(F + B + W) + (p − 1)(F +
+    B − W), against 1F1B's (m + p − 1)(F + B + W); no stage holds more micro-batches than
+    p (1F1B's stage 0); F and B keep 1F1B's order, only the W's move."""
+    for p, m in [(2, 4), (4, 4), (4, 8), (3, 5), (8, 16)]:
         one = max(e.end for e in pp.ideal([pp.order("1f1b", s, p, m) for s in range(p)], m))
-        for bounded in (True, False):
-            orders = pp.zero_bubble(p, m, bounded=bounded)
-            zb = pp.ideal(orders, m)
-            total = max(e.end for e in zb)
-            assert 3 * m < total < one, (p, m, bounded, total, one)  # F 1, B 1, W 1: 3m of work
-            for s, steps in enumerate(orders):
-                pp.check_order(steps, m)
-                # F's and B's keep 1F1B's order; only the W's move
-                assert [x for x in steps if x[0] != "W"] == pp.order("1f1b", s, p, m)
-                owed = most = 0
-                for x in steps:
-                    owed += (x[0] == "B") - (x[0] == "W")
-                    most = max(most, owed)
-                if bounded:
-                    assert most <= max(p - s - 1, 1), (p, m, s, steps)
-    # 4 stages, 8 micro-batches: 1F1B 33 units, bounded 30, unbounded 27 (3m + p - 1)
-    assert max(e.end for e in pp.ideal(pp.zero_bubble(4, 8), 8)) == 30
-    assert max(e.end for e in pp.ideal(pp.zero_bubble(4, 8, bounded=False), 8)) == 27
+        orders = pp.zero_bubble(p, m)
+        total = max(e.end for e in pp.ideal(orders, m))
+        assert one == 3 * (m + p - 1) and total == 3 * m + (p - 1), (p, m, total)
+        for s, steps in enumerate(orders):
+            pp.check_order(steps, m)
+            assert [x for x in steps if x[0] != "W"] == pp.order("1f1b", s, p, m)
+            held = most = 0
+            for x in steps:
+                held += (x[0] == "F") - (x[0] == "W")
+                most = max(most, held)
+            assert most <= p, (p, m, s, steps)
+    # other times: a W of a quarter of the backward, the same formula
+    orders = pp.zero_bubble(4, 8, backward=2, weight=0.5)
+    assert max(e.end for e in pp.ideal(orders, 8, weight=0.5)) == 8 * 3 + 3 * (1 + 1.5 - 0.5)
     with pytest.raises(ValueError, match="W1 comes before B1"):
         pp.check_order(["F0", "F1", "B0", "W0", "W1", "B1"], 2)
     with pytest.raises(ValueError, match=r"never runs W1.*\(B and W\)"):

@@ -31,18 +31,17 @@ waiting for, and the gradient of its weights (W), which nobody waits for until t
 optimizer step. Split them (an order with "W3" steps: then "B3" computes the input's
 gradient only) and the W's can fill the time a stage would otherwise idle. `zero_bubble`
 finds such orders by running the ideal schedule: 1F1B's forwards and input backwards, and
-a W wherever the stage would wait. `train_step` runs W by hand for stages of `nn.Linear`
-layers: B saves each layer's output gradient, W multiplies it with the layer's input.
-
-Each stage records when it ran each forward and backward (`Event`s, on a clock the caller
-gives: every rank of one machine shares `time.perf_counter()`), and how many micro-batches'
-activations it held at most, and their bytes (the tensors autograd saved, counted with
+a W wherever the stage would wait, holding no more micro-batches than 1F1B's stage 0.
+`train_step` runs W by hand for stages of `nn.Linear` layers: B saves each layer's output
+gradient, W multiplies it with the layer's input. Each stage records when it ran each
+forward and backward (`Event`s, on a clock the caller gives: every rank of one machine
+shares `time.perf_counter()`), and how many micro-batches' activations it held at most,
+and their bytes (the tensors autograd saved, counted with
 `torch.autograd.graph.saved_tensors_hooks`; `count_saved=False` leaves them to a caller's
-own hooks, such as chapter 9's ledger), as plain data for pictures.
-
-Here every message is waited for before the computation that needs it, so a rank computes
-*or* waits. On GPUs, NCCL's sends and receives run on CUDA streams of their own and overlap
-the next micro-batch's computation; that overlap is GPU-only and not shown on a CPU.
+own hooks, such as chapter 9's ledger), as plain data for pictures. Here every message is
+waited for before the computation that needs it, so a rank computes *or* waits. On GPUs,
+NCCL's sends and receives run on CUDA streams of their own and overlap the next micro-
+batch's computation; that overlap is GPU-only and not shown on a CPU.
 """
 
 from __future__ import annotations
@@ -497,19 +496,16 @@ def ideal(orders: Sequence[Sequence[str]], micro_batches: int, *,
 
 
 def zero_bubble(stages: int, micro_batches: int, *, forward: float = 1.0,
-                backward: float = 2.0, weight: float | None = None,
-                bounded: bool = True) -> list[list[str]]:
+                backward: float = 2.0, weight: float | None = None) -> list[list[str]]:
     """Orders with a split backward that fill 1F1B's idle time with weight gradients: each
     stage runs 1F1B's forwards and input backwards (B) in 1F1B's order, and whenever the
     next of those could not start yet, the oldest W still owed, if it ends before that one
-    can start; the W's left run at the end. A W owed keeps what it needs of its
-    micro-batch (each layer's input and output gradient): `bounded` lets stage s owe at
-    most p − s − 1 of them, what its cool-down has room for (one more, and it pays the
-    oldest first), so that no stage holds more than under 1F1B, the memory of the paper's
-    ZB-H1; `bounded=False` lets W's wait as long as they fill idle time, for a smaller
-    bubble and more memory held. Found by running the ideal schedule with these times
-    (`ideal`'s), as zero-bubble schedules are (Qi et al. 2024 fit them to measured times).
-    A greedy search: the paper's hand-made ZB-H1 does better within the same memory."""
+    can start; the W's left run at the end. A micro-batch stays held (its layers' inputs,
+    for W) until its W, and no stage starts a forward while it holds p micro-batches,
+    1F1B's most (its stage 0's): the memory of the paper's ZB-H1 (Qi et al. 2024), whose
+    step of (p − 1)(F + B − W) idle units these orders reach with a forward, a B and a W
+    of one unit each. Found by running the ideal schedule with these times (`ideal`'s), as
+    zero-bubble schedules are (the paper fits them to measured times)."""
     p, m = stages, micro_batches
     _check_counts(0, p, m)
     w = backward / 2 if weight is None else weight
@@ -525,7 +521,11 @@ def zero_bubble(stages: int, micro_batches: int, *, forward: float = 1.0,
         best = guess = None  # (start, stage, kind, mb): the action that can start soonest
         for s in range(p):
             ready = None
-            full = bounded and len(owed[s]) > p - s - 1  # more than its cool-down takes
+            done_f = sum(1 for k, _ in plans[s][:nxt[s]] if k == "F")
+            done_b = sum(1 for k, _ in plans[s][:nxt[s]] if k == "B")
+            held = done_f - done_b + len(owed[s])  # forwards whose W is still to come
+            full = (held >= p and nxt[s] < len(plans[s])
+                    and plans[s][nxt[s]][0] == "F")  # a forward now would hold p + 1
             if nxt[s] < len(plans[s]):
                 kind, mb = plans[s][nxt[s]]
                 need = ((s - 1, "F", mb) if kind == "F" and s > 0 else

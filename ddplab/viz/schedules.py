@@ -69,8 +69,8 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
                   names: tuple[str, str] = ("measured, in seconds", "ideal, in units of time"),
                   measured: bool = True) -> Figure:
     """A pipeline step, one lane per stage: every micro-batch's forward (light) and backward
-    (dark, hatched; where the backward is split, its input's gradient B dark and hatched
-    and its weights' gradient W in between, unhatched), numbered, and the idle time
+    (hatched: dark, or where the backward is split, its input's gradient B dark and its
+    weights' gradient W lighter, both hatched as backwards), numbered, and the idle time
     between them (grey, its share at the end).
 
     `events` are measured, in seconds (with `measured=False`: in units of time, as an
@@ -104,10 +104,13 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
         top -= h
     grey = "#555555"
     split = any(r[1] == "W" for _, rows, _ in panels for r in rows)
+    # a legend swatch draws its hatch in its edge colour: dark on the fill, so it shows
     handles = [Patch(fc=tint(grey, 0.6), ec=grey, label="forward of micro-batch k (light)"),
-               Patch(fc=grey, ec=grey, hatch=HATCHES["backward"],
-                     label="its input's gradient (B)" if split else "backward (dark, hatched)"),
-               *([Patch(fc=tint(grey, 0.3), ec=grey, label="its weights' gradient (W)")]
+               Patch(fc=tint(grey, 0.15), ec="#111111", hatch=HATCHES["backward"],
+                     label="backward: its input's gradient (B, dark)" if split
+                     else "backward (dark, hatched)"),
+               *([Patch(fc=tint(grey, 0.45), ec="#111111", hatch=HATCHES["backward"],
+                        label="backward: its weights' gradient (W, lighter)")]
                  if split else []),
                Patch(fc=IDLE, ec="#BBBBBB", label="idle: the bubble")]
     ax.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
@@ -147,9 +150,9 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
     for stage, kind, mb, start, end in rows:
         color = rank_color(ranks[stage])
         w = max((end - start) * scale, 0.015)
-        backward = kind == "B"
+        backward = kind in ("B", "W")  # W: the other half of a split backward
         box = (x(start), y(stage) + 0.05)
-        fill = color if backward else tint(color, 0.3 if kind == "W" else 0.6)
+        fill = color if kind == "B" else tint(color, 0.45 if kind == "W" else 0.6)
         ax.add_patch(Rectangle(box, w, lane - 0.1, fc=fill, ec="none"))
         if backward:  # white hatching: it shows on every rank's colour, dark or light
             ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, hatch=HATCHES["backward"],

@@ -208,8 +208,9 @@ def check_one_f_one_b(one_f_one_b: Callable) -> str:
            f"on {p} stages with {m} micro-batches, your orders run and hold few "
            f"activations, but the stages take turns: in the ideal schedule your step takes "
            f"{length:g} units of time where 1F1B's takes {want}.",
-           "with no warm-up, stage 0 waits for each micro-batch's gradient before it sends "
-           "the next: how many forwards must stage s run first to keep the later stages busy?")
+           "with too short a warm-up, stage 0 waits for a micro-batch's gradient before it "
+           "has sent enough forwards: how many must stage s run first to keep the later "
+           "stages busy?")
     for s, stages, count in ORDER_CASES:
         got, right = one_f_one_b(s, stages, count), pp.order("1f1b", s, stages, count)
         expect(got == right,
