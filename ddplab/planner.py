@@ -60,7 +60,7 @@ and Adam moments, sharded by ZeRO stage over the data-parallel ranks (times CP:
 those ranks hold the same parameters). Gradients are held in the dtype they accumulate
 in (`Layout.grad_dtype`): fp32 when training in bf16 (Megatron-LM's `main_grad`, FSDP2
 with `reduce_dtype=torch.float32` as torchtitan sets it, DeepSpeed's BF16 optimizer; the
-Llama 3 paper, section 3.3.4), each bf16 gradient freed once added (Megatron-LM's hook,
+Llama 3 paper, section 3.3.2), each bf16 gradient freed once added (Megatron-LM's hook,
 FSDP2): 2 + 4 + 12 = 18 bytes a parameter (the Ultra-Scale Playbook's 20 keeps the bf16
 gradients too, as picotron does); reduced in fp32 as well. FSDP2 keeps no bf16 copy: its
 sharded parameter is the fp32 master, 4 + 4 + 8 (`Layout.fp32_shards`). Under gradient
