@@ -1770,7 +1770,112 @@ def _swiglu_sp_output_dtensor(model, mesh):
                                                        use_local_output=False))
 
 
+def _vocab_with(logits, target, *, gather=False, peak_op="max", reduce_total=True,
+                reduce_picked=True, reduction="mean"):
+    """10.8: the solution with one step changed at a time (see the rows below). `peak_op`:
+    "max" (right), "sum" (all_reduce's default op), "local" (never all-reduced) or None
+    (no maximum subtracted at all)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    if gather:
+        pieces = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, logits.contiguous())
+        return F.cross_entropy(torch.cat(pieces, dim=-1), target)
+    width = logits.shape[-1]
+    peak = logits.max(dim=-1).values if peak_op else torch.zeros(logits.shape[0])
+    if peak_op == "max":
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    elif peak_op == "sum":
+        dist.all_reduce(peak)
+    total = (logits - peak.unsqueeze(-1)).exp().sum(dim=-1)
+    if reduce_total:
+        dist.all_reduce(total)
+    local = target - dist.get_rank() * width
+    mine = (local >= 0) & (local < width)
+    picked = logits.gather(1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) - peak
+    picked = torch.where(mine, picked, torch.zeros_like(picked))
+    if reduce_picked:
+        dist.all_reduce(picked)
+    losses = total.log() - picked
+    return {"mean": losses.mean, "sum": losses.sum, "none": lambda: losses}[reduction]()
+
+
+def _vocab_gathered(logits, target):
+    """10.8, wrong: every rank's slice all-gathered, then F.cross_entropy of the whole."""
+    return _vocab_with(logits, target, gather=True)
+
+
+def _vocab_local_max(logits, target):
+    """10.8, wrong: each rank subtracts its own maximum, never all-reduced with MAX."""
+    return _vocab_with(logits, target, peak_op="local")
+
+
+def _vocab_max_summed(logits, target):
+    """10.8, wrong: the maxima all-reduced with all_reduce's default op, SUM."""
+    return _vocab_with(logits, target, peak_op="sum")
+
+
+def _vocab_no_max(logits, target):
+    """10.8, wrong: exp of the logits themselves, no maximum subtracted."""
+    return _vocab_with(logits, target, peak_op=None)
+
+
+def _vocab_local_total(logits, target):
+    """10.8, wrong: the sum of exponentials never all-reduced."""
+    return _vocab_with(logits, target, reduce_total=False)
+
+
+def _vocab_target_on_holder(logits, target):
+    """10.8, wrong: the target's logit taken on its holder and never shared."""
+    return _vocab_with(logits, target, reduce_picked=False)
+
+
+def _vocab_summed(logits, target):
+    """10.8, wrong: the tokens' losses summed, not averaged."""
+    return _vocab_with(logits, target, reduction="sum")
+
+
+def _vocab_per_token(logits, target):
+    """10.8, wrong: the tokens' losses returned, not their mean."""
+    return _vocab_with(logits, target, reduction="none")
+
+
+def _vocab_stacked(logits, target):
+    """10.8, against the exercise's rule: the sum of exponentials and the target's logit
+    all-reduced together, two numbers a token in one collective."""
+    import torch
+    import torch.distributed as dist
+
+    width = logits.shape[-1]
+    peak = logits.max(dim=-1).values
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    local = target - dist.get_rank() * width
+    mine = (local >= 0) & (local < width)
+    picked = logits.gather(1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) - peak
+    both = torch.stack([(logits - peak.unsqueeze(-1)).exp().sum(dim=-1),
+                        torch.where(mine, picked, torch.zeros_like(picked))])
+    dist.all_reduce(both)
+    return (both[0].log() - both[1]).mean()
+
+
+def _vocab_padded_all_reduce(logits, target):
+    """10.8, wrong: the whole (tokens, V) logits built on every rank by an all-reduce of
+    zero-padded slices: a gather in all but name."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    width, r = logits.shape[-1], dist.get_rank()
+    whole = torch.zeros(logits.shape[0], width * dist.get_world_size())
+    whole[:, r * width:(r + 1) * width] = logits
+    dist.all_reduce(whole)
+    return F.cross_entropy(whole, target)
+
+
 _COL = "for x of shape (5, 4) and a weight of shape (6, 4) on 3 ranks, "
+_V32 = "for 6 tokens and V = 32 classes (8 a rank) on 4 ranks, "
 CHAPTER_10A = [
     ("10.1", _col_no_gather, _COL + "rank 0 returned a tensor of shape (5, 2): its own slice",
      "which collective gives every rank"),
@@ -1799,6 +1904,28 @@ CHAPTER_10A = [
      "sums"),
     ("10.2", _swiglu_sp_all_colwise, "RuntimeError", "RowwiseParallel"),
     ("10.2", _swiglu_sp_output_dtensor, "rank 0's output is a DTensor", "which layer ends"),
+    ("10.8", _vocab_gathered, _V32 + "rank 0's all_gather sent 48 numbers (192 B), as many "
+     "as its whole slice of the logits, 6 × 8", "one number a token from every rank"),
+    ("10.8", _vocab_padded_all_reduce, _V32 + "rank 0's all_reduce sent 192 numbers (768 B), "
+     "as many as the whole logits, 6 × 32", "one number a token from every rank"),
+    ("10.8", _vocab_stacked, _V32 + "rank 0's all_reduce sent 12 numbers, 2 a token",
+     "each a (tokens,) tensor"),
+    ("10.8", _vocab_local_max, _V32 + "no collective took the maximum over the ranks",
+     "the same number on every rank"),
+    ("10.8", _vocab_max_summed, "for logits near 1000 (6 tokens, V = 32) on 4 ranks, rank 0 "
+     "returned -inf: every exponential underflowed to 0 (log 0 = -inf), so the number "
+     "subtracted from the logits was far above all of them: the ranks' maxima were "
+     "all-reduced with SUM", "ReduceOp.MAX"),
+    ("10.8", _vocab_no_max, "for logits near 1000 (6 tokens, V = 32) on 4 ranks, rank 0 "
+     "returned inf (the logits reach", "subtract the token's largest logit"),
+    ("10.8", _vocab_local_total, _V32 + "rank 0's sum of exponentials is only over its own 8 "
+     "classes", "every rank's share of it"),
+    ("10.8", _vocab_target_on_holder, _V32 + "rank 0 counted the target's logit only for the "
+     "tokens whose target is among its own classes", "one collective adds them"),
+    ("10.8", _vocab_summed, _V32 + "the tokens' losses were summed, not averaged",
+     "the mean over the tokens"),
+    ("10.8", _vocab_per_token, _V32 + "rank 0 returned a tensor of shape (6,): one loss a "
+     "token", "averages over the tokens"),
 ]
 
 
@@ -2027,7 +2154,79 @@ def _round_robin(tokens, expert, num_experts):
                        + e // world)
 
 
+def _combine_right(out1, lse1, out2, lse2):
+    """10.7, the solution, for the rows below to change one thing each."""
+    import torch
+
+    top = torch.maximum(lse1, lse2)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
+    total = w1 + w2
+    lse = top + torch.log(total)
+    total = torch.where(total == 0, torch.ones_like(total), total)
+    return (out1 * w1.unsqueeze(-1) + out2 * w2.unsqueeze(-1)) / total.unsqueeze(-1), lse
+
+
+def _combine_averaged(out1, lse1, out2, lse2):
+    """10.7, wrong: the two blocks' outputs averaged, whatever their share of the row."""
+    import torch
+
+    return (out1 + out2) / 2, torch.logaddexp(lse1, lse2)
+
+
+def _combine_exp_lse(out1, lse1, out2, lse2):
+    """10.7, wrong: weights exp(lse) with no maximum subtracted: overflow above 88.7."""
+    import torch
+
+    w1, w2 = torch.exp(lse1), torch.exp(lse2)
+    out = (out1 * w1.unsqueeze(-1) + out2 * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
+    return out, torch.log(w1 + w2)
+
+
+def _combine_out_only(out1, lse1, out2, lse2):
+    """10.7, wrong: the merged output returned, the new lse forgotten."""
+    return _combine_right(out1, lse1, out2, lse2)[0]
+
+
+def _combine_keeps_lse1(out1, lse1, out2, lse2):
+    """10.7, wrong: the merged output, but the first block's lse handed back."""
+    return _combine_right(out1, lse1, out2, lse2)[0], lse1
+
+
+def _combine_nan_when_blind(out1, lse1, out2, lse2):
+    """10.7, wrong: stable, but where both lse are -inf, -inf − (-inf) is nan."""
+    import torch
+
+    lse = torch.logaddexp(lse1, lse2)
+    return (out1 * torch.exp(lse1 - lse).unsqueeze(-1)
+            + out2 * torch.exp(lse2 - lse).unsqueeze(-1)), lse
+
+
+def _combine_unnormalised(out1, lse1, out2, lse2):
+    """10.7, wrong: weights relative to the larger lse, but never divided by their sum."""
+    import torch
+
+    top = torch.maximum(lse1, lse2)
+    return (out1 * torch.exp(lse1 - top).unsqueeze(-1)
+            + out2 * torch.exp(lse2 - top).unsqueeze(-1)), torch.logaddexp(lse1, lse2)
+
+
+def _combine_max_lse(out1, lse1, out2, lse2):
+    """10.7, wrong: the merged output, but the larger lse as the merged one."""
+    import torch
+
+    return _combine_right(out1, lse1, out2, lse2)[0], torch.maximum(lse1, lse2)
+
+
+def _combine_by_cp(out1, lse1, out2, lse2):
+    """10.7, not done: the kit's own cp.combine called."""
+    from ddplab.parallel import cp
+
+    return cp.combine(out1, lse1, out2, lse2)
+
+
 CASE1 = "with 3 ranks holding 5, 3, 4 tokens (case 1), "
+_BLOCKS = "for two blocks of 3 and 5 keys (2 heads × 4 queries × 3 features), "
 CHAPTER_10C = [
     ("10.5", _counts_not_exchanged, CASE1 + "rank 0 expects 1 row from rank 1",
      "exchange the counts first"),
@@ -2055,6 +2254,22 @@ CHAPTER_10C = [
      "arrived", "stable sort"),
     ("10.5", _round_robin, CASE1 + "rank 0 received rank 0's token 3 (for expert 3, held by "
      "rank 1): the experts were dealt", "e // (E // N)"),
+    ("10.7", _combine_averaged, _BLOCKS + "your output is the average of the two blocks' "
+     "outputs", "Its lse says"),
+    ("10.7", _combine_exp_lse, "for two blocks with scores in the hundreds (3 heads × 5 "
+     "queries × 4 features), your output or lse holds nan", "subtract the larger lse first"),
+    ("10.7", _combine_out_only, _BLOCKS + "your function returned one tensor, shape (2, 4, "
+     "3): the output alone", "differences of log-sum-exps"),
+    ("10.7", _combine_keeps_lse1, _BLOCKS + "the output is right, but the lse you returned "
+     "is lse1", "the log of that"),
+    ("10.7", _combine_nan_when_blind, "for blocks where both hid every key from query 3 (1 "
+     "head × 4 queries × 2 features), at query 3 (head 0), which saw no key in either block "
+     "(lse1 = lse2 = -inf), your function returned nan", "subtract a finite one instead"),
+    ("10.7", _combine_unnormalised, _BLOCKS + "each query's output is its right output times "
+     "a number", "add up to 1"),
+    ("10.7", _combine_max_lse, _BLOCKS + "the output is right, but your lse is the larger of "
+     "lse1 and lse2", "for m the larger"),
+    ("10.7", _combine_by_cp, _BLOCKS + "your function called cp.combine", "elementwise"),
 ]
 
 

@@ -1,5 +1,5 @@
-"""Instructor solutions for chapter 10 (model parallelism: tensor, sequence, pipeline and
-expert parallelism by hand, and torch's own).
+"""Instructor solutions for chapter 10 (model parallelism: tensor, sequence, context,
+pipeline and expert parallelism by hand, and torch's own).
 
 One function per exercise, named as the exercise's `solution`; `tests/test_exercises.py`
 checks that each passes `check("10.N", ...)`. Learners: try first, then compare.
@@ -81,6 +81,29 @@ def parallelize_swiglu_sp(model, mesh):
                                                        use_local_output=False))
 
 
+# --- 10.8 the vocabulary-parallel loss ---
+
+
+def vocab_parallel_loss(logits, target):
+    """Exercise 10.8: a token's loss is log Σ exp(logit) over all V classes minus the target's
+    logit. Three all-reduces of one number a token: the largest logit (MAX, so that every
+    rank subtracts the same number and exp never overflows), the sum of the exponentials
+    (each rank's share), and the target's logit (its holder puts it in, the others 0).
+    The logits themselves never move."""
+    width = logits.shape[-1]
+    start = dist.get_rank() * width
+    peak = logits.max(dim=-1).values
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    total = (logits - peak.unsqueeze(-1)).exp().sum(dim=-1)
+    dist.all_reduce(total)
+    local = target - start
+    mine = (local >= 0) & (local < width)
+    picked = logits.gather(1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) - peak
+    picked = torch.where(mine, picked, torch.zeros_like(picked))
+    dist.all_reduce(picked)
+    return (total.log() - picked).mean()
+
+
 # --- 10.3 the bubble, from the schedule ---
 
 
@@ -132,6 +155,25 @@ def route_tokens(tokens, expert, num_experts):
                            input_split_sizes=counts.view(world, per_rank).sum(1).tolist())
     local = torch.arange(per_rank).repeat(world).repeat_interleave(counts_in)
     return out[torch.argsort(local, stable=True)]
+
+
+# --- 10.7 two partial softmaxes combined ---
+
+
+def combine(out1, lse1, out2, lse2):
+    """Exercise 10.7: block b's exponentials add up to exp(lse_b), so it holds the share
+    exp(lse_b) / (exp(lse1) + exp(lse2)) of the merged row. The shares are computed
+    relative to the larger lse (never above 1: no overflow); where both blocks saw nothing
+    (both -inf) the larger is replaced by 0, so that -inf − -inf never happens, the lse
+    stays -inf and the output 0 (0 / 1, not 0 / 0)."""
+    top = torch.maximum(lse1, lse2)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
+    total = w1 + w2
+    lse = top + torch.log(total)
+    total = torch.where(total == 0, torch.ones_like(total), total)
+    out = (out1 * w1.unsqueeze(-1) + out2 * w2.unsqueeze(-1)) / total.unsqueeze(-1)
+    return out, lse
 
 
 # --- 10.6 the model's state on one GPU of a layout ---
