@@ -35,12 +35,12 @@ every rank's contribution. So the backward moves twice the forward's bytes (K, V
 and one last hop of dK, dV.
 
 `allgather_attention` is the other way, the one Llama 3 was trained with (its paper, on
-context parallelism; with the zig-zag's two chunks a rank for balance): every rank all-
-gathers the whole sequence's K and V (one collective, whose backward is a reduce-scatter
-of dK and dV) and attends with its own queries. It holds all of K and V at once (S x d,
-not S/N x d, per layer), in exchange for one collective that is easy to overlap and cheap
-when K and V are small next to Q (grouped-query attention), and it needs no online
-softmax at all.
+context parallelism; with the zig-zag's two chunks a rank for balance): every rank
+all-gathers the whole sequence's K and V (one collective, whose backward is a
+reduce-scatter of dK and dV) and attends with its own queries. It holds all of K and V at
+once (S x d, not S/N x d, per layer) and its all-gather's latency is exposed, in exchange
+for working with any attention mask (document masks) and for small messages when K and V
+are small next to Q (grouped-query attention); it needs no online softmax at all.
 """
 
 from __future__ import annotations

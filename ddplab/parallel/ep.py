@@ -107,7 +107,8 @@ def load_balancing_loss(r: Routing) -> torch.Tensor:
     """The Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4), E · Σ_e f_e P_e:
     f_e is the share of this group's choices that went to expert e (before the capacity;
     for top-k, of the T·k choices) and P_e the router's mean probability for e. It is 1
-    when both are uniform and grows to E when every token picks one expert with certainty.
+    when both are uniform and grows to E/k when every token's k choices go to the same k
+    experts with certainty (E for Switch's top-1).
     f is counted, so the gradient flows through P alone: it lowers the probability of the
     experts that are chosen most. Add it to the loss with a small weight (Switch: 0.01)."""
     if r.probs is None:

@@ -58,9 +58,10 @@ def _check(plan: Mapping, k: int) -> None:
 
 def _parts(ax, x: float, y: float, h: float, values: Sequence[tuple[str, float]],
            order: Sequence[str], scale: float, color: str,
-           style: Callable[[str, Sequence[str]], tuple[float, str | None]] = part_style
-           ) -> float:
-    """A stacked bar of `values` from (x, y), each part styled by its place in `order`."""
+           style: Callable[[str, Sequence[str]], tuple[float, str | None]] = part_style,
+           named: bool = False) -> float:
+    """A stacked bar of `values` from (x, y), each part styled by its name; `named` writes
+    a part's name in it where it fits (the step's parts share one hatch: waiting)."""
     start = x
     for name, value in values:
         w = value * scale
@@ -71,6 +72,10 @@ def _parts(ax, x: float, y: float, h: float, values: Sequence[tuple[str, float]]
         if hatch:
             ax.add_patch(Rectangle((x, y), w, h, fill=False, ec=line_color(color),
                                    hatch=hatch, lw=0))
+        if named and name != "compute" and w >= text_inches(name, FONT - 2) + 0.08:
+            ax.text(x + w / 2, y + h / 2, name, ha="center", va="center", fontsize=FONT - 2,
+                    color="#111111", bbox={"fc": "white", "ec": "none", "pad": 0.5,
+                                           "alpha": 0.85})
         ax.plot([x + w, x + w], [y, y + h], color="white", lw=1.2, solid_capstyle="butt")
         x += w
     ax.add_patch(Rectangle((start, y), max(x - start, 0.02), h, fill=False,
@@ -117,7 +122,13 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     memory_order = list(dict.fromkeys(k for p in plans for k in p["memory_bytes"])) or \
         ["parameters", "gradients", "optimizer", "activations", "reserved"]
     label_w = max(text_inches(label, FONT, bold=True) for label in labels)
-    left, gap, right = 0.3 + label_w + 0.2, 1.35, 1.35  # gap, right: the totals written
+    steps = [sum(p.get("time_s", {}).values()) for p in plans]
+    step_texts = [_seconds(step) + (f", MFU {p['mfu']:.0%}" if p.get("mfu") is not None
+                                    else "") + ("" if p.get("feasible", True) else " if it fit")
+                  for p, step in zip(plans, steps, strict=True)]
+    # gap, right: room for the totals written after each bar
+    right = max([1.35] + [text_inches(t, FONT - 1) + 0.2 for t in step_texts])
+    left, gap = 0.3 + label_w + 0.2, 1.35
     span = max(MAX_WIDTH - left - gap - right, 4.0)
     mem_w, step_w = span * 0.5, span * 0.5
     width = max(min(left + mem_w + gap + step_w + right, MAX_WIDTH), title_width(title))
@@ -135,7 +146,6 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     # at the edge, their totals written.
     reach = 1.5 * max(p["cluster"]["memory"] for p in plans)
     mem_scale = mem_w / reach
-    steps = [sum(p.get("time_s", {}).values()) for p in plans]
     step_scale = step_w / max(max(steps), 1e-12)
     x_step = left + mem_w + gap
     y = height - title_h - 0.3
@@ -144,7 +154,8 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     ax.text(x_step, y, "one step", ha="left", va="bottom", fontsize=FONT,
             fontweight="bold", color="#222222")
     y -= 0.1
-    for p, label, step, note, pitch in zip(plans, labels, steps, notes, pitches, strict=True):
+    for p, label, step, note, pitch, step_text in zip(plans, labels, steps, notes, pitches,
+                                                       step_texts, strict=True):
         y -= pitch
         top = y + line * len(note)  # the bars, above the reasons
         ax.text(0.3, top + bar_h / 2, label, ha="left", va="center", fontsize=FONT,
@@ -178,12 +189,9 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
             parts += [(k, v) for k, v in p.get("exposed_s", {}).items()]
             parts.append(("bubble", p["time_s"]["bubble"]))
             end = _parts(ax, x_step, top, bar_h, parts, STEP_PARTS, step_scale, PREDICTED,
-                         step_style)
-            mfu = p.get("mfu")
-            ax.text(end + 0.08, top + bar_h / 2, _seconds(step) + (
-                f", MFU {mfu:.0%}" if mfu is not None else "") + (
-                "" if p.get("feasible", True) else " if it fit"), ha="left", va="center",
-                fontsize=FONT - 1, color="#222222" if p.get("feasible", True) else OVER)
+                         step_style, named=True)
+            ax.text(end + 0.08, top + bar_h / 2, step_text, ha="left", va="center",
+                    fontsize=FONT - 1, color="#222222" if p.get("feasible", True) else OVER)
     ax.text(0.3, 0.62, "memory:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
     _legend(ax, memory_order, 1.15, 0.55)
     ax.text(0.3, 0.22, "step:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
