@@ -2009,7 +2009,7 @@ CHAPTER_10B = [
     ("10.4", _warm_up(lambda s, p: p - s), "on 4 stages with 6 micro-batches, your orders "
      "run, but stage 0 holds 5 micro-batches' activations", "and no more"),
     ("10.4", _warm_up(lambda s, p: 0), "on 4 stages with 6 micro-batches, your orders run "
-     "and hold few activations, but the stages take turns", "with no warm-up"),
+     "and hold few activations, but the stages take turns", "with too short a warm-up"),
     ("10.4", _no_cool_down, "for stage 0 of 4 with 6 micro-batches, the order never runs B5",
      "its backward once"),
 ]
