@@ -16,6 +16,7 @@ from ddplab.parallel.cp import (
     positions,
     ring_attention,
     ring_schedule,
+    rope,
     split_sequence,
 )
 from ddplab.parallel.ep import (
@@ -344,6 +345,57 @@ def test_context_parallel_forward_and_backward_equal_full_attention(pool, layout
             else:  # K and V gathered (4 x 256 bytes each); their gradients reduce-scattered
                 assert r["calls"] == ([("all_gather_single", 1024)] * 2
                                       + [("reduce_scatter_single", 1024)] * 2), r["calls"]
+
+
+def rope_ring(layout: str, global_positions: bool) -> float:
+    """Max |Δ| of ring attention with rotary embeddings applied per rank, against full
+    attention with them applied to the whole sequence, causal."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 2, 16, 8, generator=g).unbind(0)
+    everywhere = torch.arange(16)
+    want = split_sequence(attention(rope(q, everywhere), rope(k, everywhere), v, True),
+                          r, n, layout)
+    where = positions(16, r, n, layout) if global_positions else torch.arange(16 // n)
+    mine = [split_sequence(t, r, n, layout) for t in (q, k, v)]
+    out = ring_attention(rope(mine[0], where), rope(mine[1], where), mine[2], causal=True,
+                         layout=layout)
+    return (out - want).abs().max().item()
+
+
+@pytest.mark.slow
+def test_rotary_embeddings_need_each_ranks_global_positions(pool):
+    for layout in ("contiguous", "zigzag"):
+        assert max(pool.run(rope_ring, layout, True)) < 1e-5
+        assert max(pool.run(rope_ring, layout, False)) > 1e-2  # local positions: wrong
+
+
+def projected(layout: str) -> dict:
+    """An attention layer's projections under context parallelism: each rank's weight
+    gradient holds its own tokens' share; summed over the CP group it is the whole
+    sequence's (torchtitan folds CP into the data-parallel dimension for this)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x, grad = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+    torch.manual_seed(2)
+    full = nn.Linear(8, 24, bias=False)
+    torch.manual_seed(2)
+    mine = nn.Linear(8, 24, bias=False)
+    q, k, v = full(x).split(8, dim=-1)
+    (attention(q, k, v, True) * grad).sum().backward()
+    ql, kl, vl = mine(split_sequence(x, r, n, layout)).split(8, dim=-1)
+    out = ring_attention(ql, kl, vl, causal=True, layout=layout)
+    (out * split_sequence(grad, r, n, layout)).sum().backward()
+    alone = (mine.weight.grad - full.weight.grad).abs().max().item()
+    dist.all_reduce(mine.weight.grad)
+    return {"alone": alone, "summed": (mine.weight.grad - full.weight.grad).abs().max().item()}
+
+
+@pytest.mark.slow
+def test_weight_gradients_are_summed_over_the_cp_group(pool):
+    for layout in ("contiguous", "zigzag"):
+        for r in pool.run(projected, layout):
+            assert r["alone"] > 1e-2 and r["summed"] < 1e-5, (layout, r)
 
 
 def test_score_steps_agree_with_the_ring_schedule():

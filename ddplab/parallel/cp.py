@@ -293,6 +293,22 @@ def ring_schedule(world_size: int, seq_len: int, *, causal: bool = True,
     return schedule
 
 
+def rope(x: torch.Tensor, position: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021, as Llama applies it to Q and K): feature
+    pairs (2i, 2i + 1) of the token at `position` turned by position · base^(-2i/d). Under
+    context parallelism a rank must pass its tokens' GLOBAL positions (`positions(...)`),
+    not 0 … S/N − 1: attention scores depend on the difference of two tokens' positions,
+    and a key that came around the ring keeps the angle its owner gave it."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"rotary embedding turns pairs of features: {d} features is odd")
+    freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = position.to(torch.float64).unsqueeze(-1) * freq          # [S, d/2]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+
 def score_steps(world_size: int, seq_len: int, *, causal: bool = True,
                 layout: str = "contiguous") -> list[list[tuple[int, int] | None]]:
     """`[q][k]`: for the score of query position q with key position k, (the rank that
