@@ -21,8 +21,9 @@ group, as a collective is. Counting what was RECEIVED, not sent, makes the matri
 collective returns only when every byte it waits for has arrived, while a sender's
 counters may still hold bytes in flight. The store's connections (the default group's
 `TCPStore`, found by its port) are left out; so is every socket that is not TCP (the
-pool's own channels are Unix sockets). The counts include gloo's framing (a few hundred
-bytes a call), which is why they exceed the payload by a little.
+pool's own channels are Unix sockets). The counts include gloo's framing: a header on every
+message and short notes between ranks (on 4 ranks about 1.7 kB an all-reduce), which
+doubles the bytes of a kilobyte's call and adds 0.1 % to a megabyte's.
 """
 
 from __future__ import annotations
