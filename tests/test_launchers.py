@@ -319,7 +319,7 @@ def runs(request, tmp_path_factory, tiny) -> Iterator[Background]:
 
 def assert_whoami(done: Done, launcher: str) -> None:
     """whoami.py printed one line per process: ranks 0 and 1 of 2, started by `launcher`."""
-    assert done.returncode == 0, done
+    assert done.returncode == 0, str(done)
     found = [line["detect"] for line in json_lines(done.stdout)]
     assert len(found) == 2, done
     assert {f["rank"] for f in found} == {0, 1}, found
@@ -344,7 +344,7 @@ def test_two_clusters_side_by_side_give_their_job_1s_two_ports(tmp_path):
         for cluster in (one, other):
             done = run(["srun", "--ntasks=1", "python", "whoami.py"],
                        environment(tmp_path, SLURM_CONF=str(cluster.conf)), QUICK_TIMEOUT)
-            assert done.returncode == 0, done
+            assert done.returncode == 0, str(done)
             found.append(json_lines(done.stdout)[0])
     assert [f["variables"]["SLURM_JOB_ID"] for f in found] == ["1", "1"], found
     assert found[0]["detect"]["master_port"] != found[1]["detect"]["master_port"], found
@@ -423,7 +423,7 @@ def test_a_stopped_local_slurm_leaves_no_process_and_no_directory(tmp_path):
 def test_torchrun_node_as_two_nodes_trains_one_job(run_name, runs):
     results, out = runs.result(run_name)
     for done in results:
-        assert done.returncode == 0, done
+        assert done.returncode == 0, str(done)
     node0, node1 = results
     assert "done: 2 ranks (torchrun)" in node0.stdout  # rank 0 lives on node rank 0
     assert "epoch" not in node1.stdout, node1.stdout  # and reports alone
@@ -436,7 +436,7 @@ def test_nodes_of_unequal_sizes_make_one_world_node_by_node(run_name, runs):
     counts, and a node's ranks follow those of the nodes before it."""
     told = {}
     for node, done in enumerate(runs.result(run_name)):
-        assert done.returncode == 0, done
+        assert done.returncode == 0, str(done)
         for record in json_lines(done.stdout):
             told[int(record["variables"]["RANK"])] = (node, record["variables"])
     assert sorted(told) == [0, 1, 2]
@@ -474,7 +474,7 @@ def test_fsdp_under_torchrun_and_mpirun_gives_the_pools_weights_bit_for_bit(run_
     """FSDP2 on gloo is as deterministic as DDP: the same world size, seed and data give the
     same weights whoever started the ranks."""
     done, out = runs.result(run_name)
-    assert done.returncode == 0, done
+    assert done.returncode == 0, str(done)
     state = torch.load(out / CHECKPOINT)
     assert state["config"]["strategy"] == "fsdp" and state["world_size"] == 2
     assert state["model"].keys() == pool_fsdp.keys()
@@ -489,7 +489,7 @@ def test_fsdp_under_srun_gives_the_pools_weights_bit_for_bit(cluster, tiny, tmp_
     done = run(["srun", "--ntasks=2", sys.executable, "-m", "ddplab.train",
                 *train_args(tiny, out), "--strategy", "fsdp"],
                environment(tmp_path, SLURM_CONF=str(cluster.conf)))
-    assert done.returncode == 0, done
+    assert done.returncode == 0, str(done)
     state = torch.load(out / CHECKPOINT)
     assert state["config"]["strategy"] == "fsdp" and state["world_size"] == 2
     assert all(torch.equal(state["model"][k], pool_fsdp[k]) for k in pool_fsdp)
