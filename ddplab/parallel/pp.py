@@ -515,16 +515,14 @@ def zero_bubble(stages: int, micro_batches: int, *, forward: float = 1.0,
     plans = [[(step[0], int(step[1:])) for step in order("1f1b", s, p, m)] for s in range(p)]
     done: dict[tuple[int, str, int], float] = {}
     free, nxt = [0.0] * p, [0] * p
+    held = [0] * p  # per stage: forwards whose W is still to come
     owed: list[list[int]] = [[] for _ in range(p)]
     orders: list[list[str]] = [[] for _ in range(p)]
     while any(nxt[s] < len(plans[s]) or owed[s] for s in range(p)):
         best = guess = None  # (start, stage, kind, mb): the action that can start soonest
         for s in range(p):
             ready = None
-            done_f = sum(1 for k, _ in plans[s][:nxt[s]] if k == "F")
-            done_b = sum(1 for k, _ in plans[s][:nxt[s]] if k == "B")
-            held = done_f - done_b + len(owed[s])  # forwards whose W is still to come
-            full = (held >= p and nxt[s] < len(plans[s])
+            full = (held[s] >= p and nxt[s] < len(plans[s])
                     and plans[s][nxt[s]][0] == "F")  # a forward now would hold p + 1
             if nxt[s] < len(plans[s]):
                 kind, mb = plans[s][nxt[s]]
@@ -549,6 +547,7 @@ def zero_bubble(stages: int, micro_batches: int, *, forward: float = 1.0,
         start, s, kind, mb = best
         done[(s, kind, mb)] = free[s] = start + cost[kind]
         orders[s].append(f"{kind}{mb}")
+        held[s] += (kind == "F") - (kind == "W")
         if kind == "W":
             owed[s].pop(0)
         else:
