@@ -162,6 +162,58 @@ def test_tp_blocks_equal_the_unsharded_with_one_all_reduce_each_way(pool):
                 assert sum(c.ring_bytes for c in comms) == 2 * round(2 * 3 / 4 * B * T * D * F32)
 
 
+def overlap_case() -> dict:
+    """The MLP with f's backward all-reduce overlapped (`overlap=True`) against the plain
+    one: every difference, the collectives, and when the weight-gradient matmul of fc1 ran
+    relative to the all-reduce's issue and its wait (aten.mm calls timed by a dispatch mode)."""
+    import time
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            start = time.monotonic()
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default:
+                self.calls.append((tuple(out.shape), start, time.monotonic()))
+            return out
+
+    torch.manual_seed(0)
+    full = MLP(D, 48)  # fc1's weight (12, 8): a shape no other matmul of the backward makes
+    plain, overlapped = TensorParallelMLP(full, None), TensorParallelMLP(full, None, overlap=True)
+    x, xs = inputs(), inputs()
+    plain(x).square().sum().backward()
+    with record_collectives() as comms:
+        y = overlapped(xs)
+        with Matmuls() as matmuls:
+            y.square().sum().backward()
+    dw = [(start, end) for shape, start, end in matmuls.calls
+          if shape == tuple(overlapped.fc1.weight.shape)]
+    backward = comms[-1]
+    return {"out": (y - plain(x)).abs().max().item(),
+            "grad_x": (xs.grad - x.grad).abs().max().item(),
+            "grads": max((a.grad - b.grad).abs().max().item()
+                         for a, b in zip(overlapped.parameters(), plain.parameters(), strict=True)),
+            "comms": [(c.kind, c.bytes) for c in comms],
+            "dw_inside": len(dw) == 1 and backward.start <= dw[0][0] and dw[0][1] <= backward.end}
+
+
+@pytest.mark.slow
+def test_overlapped_all_reduce_gives_the_same_bits_and_runs_under_the_weight_gradient(pool):
+    """`overlap=True` changes when f's all-reduce runs, not what is computed: outputs and
+    every gradient equal the plain MLP's exactly, with the same two all-reduces; and fc1's
+    weight-gradient matmul runs after the backward all-reduce is issued and before its wait
+    returns (the overlap)."""
+    for out in pool.run(overlap_case):
+        assert out["out"] == 0 and out["grad_x"] == 0 and out["grads"] == 0, out
+        assert out["comms"] == [("all_reduce", B * T * D * F32)] * 2
+        assert out["dw_inside"], out
+
+
 # --- the vocabulary: embedding and cross-entropy split by token id ----------------------
 
 VOCAB = 16

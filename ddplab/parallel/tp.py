@@ -120,6 +120,40 @@ def reduce_from_tp(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
+class _LinearOverlapped(torch.autograd.Function):
+    """A column-parallel matmul with f built in, whose backward hides f's all-reduce.
+
+    Backward computes two things from the output's gradient dY: dX = dY W (f must sum it
+    over the group) and dW = dYᵀ X (this rank's own, nothing to sum). dW does not need the
+    sum, so the all-reduce of dX is started first, `async_op=True`, and dW is computed while
+    it travels; only then does the backward wait. The arithmetic is the same as `copy_to_tp`
+    followed by `F.linear` (the same products, the same sum), so the results are equal to
+    the bit. Megatron's "async tensor-model-parallel all-reduce", picotron's
+    `LinearWithAsyncAllReduce`. The overlap needs something to run the collective while
+    the matmul runs: NCCL's kernels on their own stream on a GPU, gloo's thread and a free
+    core on a CPU.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad @ weight
+        work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)   # f, in flight...
+        rows, inputs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_weight = rows.t() @ inputs                                  # ...under dW
+        grad_bias = rows.sum(0) if ctx.has_bias else None
+        work.wait()
+        return grad_x, grad_weight, grad_bias, None
+
+
 # --- the two linear layers -------------------------------------------------------------
 
 def _check_linear(full: Any, name: str) -> None:
@@ -133,12 +167,14 @@ class ColumnParallelLinear(nn.Module):
     bias. Input: the whole x (every rank the same); output: this rank's slice of the
     features of `full(x)`. `forward` puts f in front (the gradient for x is summed over
     the group); `local` is the bare matmul, for blocks that share one f between several
-    column-parallel layers (attention's q, k and v)."""
+    column-parallel layers (attention's q, k and v). `overlap=True` all-reduces the input's
+    gradient while the weight's gradient is computed (`_LinearOverlapped`): the same
+    numbers, f's time hidden where a core or a stream is free to run it."""
 
-    def __init__(self, full: nn.Linear, group: Any = None) -> None:
+    def __init__(self, full: nn.Linear, group: Any = None, overlap: bool = False) -> None:
         super().__init__()
         _check_linear(full, "ColumnParallelLinear")
-        self.group = group
+        self.group, self.overlap = group, overlap
         self.start, self.stop = shard_range(full.out_features, group, "out_features")
         self.weight = nn.Parameter(full.weight.detach()[self.start:self.stop].clone())
         self.bias = (nn.Parameter(full.bias.detach()[self.start:self.stop].clone())
@@ -148,6 +184,8 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.overlap:
+            return _LinearOverlapped.apply(x, self.weight, self.bias, self.group)
         return self.local(copy_to_tp(x, self.group))
 
 
@@ -297,11 +335,12 @@ class MLP(nn.Module):
 class TensorParallelMLP(nn.Module):
     """`mlp` split over `group`: fc1 column-parallel, fc2 row-parallel. GeLU is applied to
     each rank's slice of fc1's features independently (it is elementwise, which is why
-    the cut goes this way round). One all-reduce forward (fc2's g), one backward (fc1's f)."""
+    the cut goes this way round). One all-reduce forward (fc2's g), one backward (fc1's f);
+    `overlap=True` runs that one under fc1's weight-gradient matmul."""
 
-    def __init__(self, mlp: MLP, group: Any = None) -> None:
+    def __init__(self, mlp: MLP, group: Any = None, overlap: bool = False) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(mlp.fc1, group)
+        self.fc1 = ColumnParallelLinear(mlp.fc1, group, overlap=overlap)
         self.fc2 = RowParallelLinear(mlp.fc2, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
