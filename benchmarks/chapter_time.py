@@ -19,6 +19,7 @@ exercise, rounded to 5 minutes. Run it on a quiet machine:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -57,8 +58,17 @@ def plan(notebook: Path) -> tuple[str, int, int]:
     return title, exercises, int(round(minutes / 5) * 5)
 
 
-def main(paths: list[str]) -> None:
-    notebooks = [Path(p) for p in paths] or sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="Each chapter's machine time (wall and "
+                                     "CPU, measured) and class time (planned), as a table.")
+    parser.add_argument("notebooks", nargs="*", type=Path,
+                        help="chapters to run (default: every notebooks/[0-9]*.ipynb)")
+    notebooks = parser.parse_args(argv).notebooks or sorted(
+        (ROOT / "notebooks").glob("[0-9]*.ipynb"))
+    missing = [str(n) for n in notebooks if not n.is_file()]
+    if missing:
+        parser.error(f"no such notebook: {', '.join(missing)} (give paths like "
+                     f"notebooks/05_ddp_mnist.ipynb)")
     ddplab = Path(sys.executable).parent / "ddplab"
     print(f"{cpu_name()}, {os.cpu_count()} cores\n")
     print("| chapter | machine: wall | machine: CPU | exercises | class time |")
