@@ -2341,6 +2341,59 @@ def _state_both_ends(model, layout, gpus):
             for k, v in right.items()}
 
 
+def _act_right(model, tp, sp, recompute, micro_batch, *, kv=None, ffn_tensors=None,
+               masks=None, norms_split=None, scores=None, full_split=None, word=2):
+    """10.9, the rule the planner follows, with one knob per row below to get it wrong."""
+    s, b, h = model.seq, micro_batch, model.hidden
+    split_norms = sp if norms_split is None else norms_split
+    if recompute == "full":
+        return word / 2 * 2 * s * b * h / (tp if (split_norms if full_split is None
+                                                  else full_split) else 1)
+    masks = int(model.dropout) if masks is None else masks
+    kv = model.kv_heads / model.heads if kv is None else kv
+    ffn_tensors = (3 if model.gated else 2) if ffn_tensors is None else ffn_tensors
+    saved = s * b * h * ((4 + 2 + 2 + 2 * masks) * (1 if split_norms else tp)
+                         + 2 + 4 * kv + 2 + 2 * ffn_tensors * model.ffn / h) / tp
+    if recompute == "none" or scores:
+        saved += (2 + 3 * masks) * model.heads * s * s * b / tp
+    return word / 2 * saved
+
+
+def _act_no_gqa(model, tp, sp, recompute, micro_batch):
+    """10.9, wrong: K and V as wide as Q."""
+    return _act_right(model, tp, sp, recompute, micro_batch, kv=1)
+
+
+def _act_gelu(model, tp, sp, recompute, micro_batch):
+    """10.9, wrong: two FFN-wide tensors, as GELU's MLP."""
+    return _act_right(model, tp, sp, recompute, micro_batch, ffn_tensors=2)
+
+
+def _act_masks(model, tp, sp, recompute, micro_batch):
+    """10.9, wrong: dropout masks counted for Llama, which has no dropout."""
+    return _act_right(model, tp, sp, recompute, micro_batch, masks=1)
+
+
+def _act_sp_ignored(model, tp, sp, recompute, micro_batch):
+    """10.9, wrong: everything divided by TP, with or without sequence parallelism."""
+    return _act_right(model, tp, sp, recompute, micro_batch, norms_split=True)
+
+
+def _act_scores_kept(model, tp, sp, recompute, micro_batch):
+    """10.9, wrong: selective recomputation still saving the scores."""
+    return _act_right(model, tp, sp, recompute, micro_batch, scores=True)
+
+
+def _act_full_whole(model, tp, sp, recompute, micro_batch):
+    """10.9, wrong: full recomputation's input never split, even with SP."""
+    return _act_right(model, tp, sp, recompute, micro_batch, full_split=False)
+
+
+def _act_fp32(model, tp, sp, recompute, micro_batch):
+    """10.9, wrong: 4 bytes an element."""
+    return _act_right(model, tp, sp, recompute, micro_batch, word=4)
+
+
 CHAPTER_10D = [
     ("10.6", _state_without_tp, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
      "predicted", "splits every weight matrix"),
@@ -2356,6 +2409,20 @@ CHAPTER_10D = [
      "layers), ZeRO-2, you predicted", "ZeRO-2 shards the gradients"),
     ("10.6", _state_zero_over_dp, "for Llama 3 70B on 64 GPUs, TP 4, CP 2, ZeRO-1, you "
      "predicted", "DP × CP"),
+    ("10.9", _act_fp32, "for GPT-3 175B, TP 1, sequence parallelism on, recompute 'none', "
+     "micro-batch 1, you predicted", "2 bytes an element"),
+    ("10.9", _act_no_gqa, "for Llama 3 70B, TP 8, sequence parallelism on, recompute "
+     "'selective'", "kv_heads / heads"),
+    ("10.9", _act_gelu, "for Llama 3 70B, TP 8, sequence parallelism on, recompute "
+     "'selective'", "three FFN-wide tensors"),
+    ("10.9", _act_masks, "for Llama 3 70B, TP 8, sequence parallelism on, recompute "
+     "'selective'", "no dropout"),
+    ("10.9", _act_scores_kept, "for Llama 3 70B, TP 8, sequence parallelism on, recompute "
+     "'selective'", "drops the s × s scores"),
+    ("10.9", _act_sp_ignored, "for Llama 3 70B, TP 8, sequence parallelism off, recompute "
+     "'selective'", "stay whole on every rank"),
+    ("10.9", _act_full_whole, "for Llama 3 70B, TP 8, sequence parallelism on, recompute "
+     "'full'", "split TP ways too"),
 ]
 
 

@@ -195,3 +195,24 @@ def model_state_bytes(model, layout, gpus):
     return {"parameters": 2 * psi / (shard if layout.zero >= 3 else 1),
             "gradients": 4 * psi / (shard if layout.zero >= 2 else 1),
             "optimizer": 12 * psi / (shard if layout.zero >= 1 else 1)}
+
+
+# --- 10.9 the activation half: what one layer saves for backward ---
+
+
+def layer_activation_bytes(model, tp, sp, recompute, micro_batch):
+    """10.9: Korthikanti et al.'s sbh(34 + 5as/h), term by term, for a Llama-style layer:
+    K and V kv_heads/heads as wide as Q, three FFN-wide tensors for a gated MLP, no masks
+    without dropout. TP divides everything with sequence parallelism; without it the norms'
+    regions stay whole. Selective recomputation drops the scores; full keeps the input."""
+    s, b, h = model.seq, micro_batch, model.hidden
+    if recompute == "full":
+        return 2 * s * b * h / (tp if sp else 1)
+    masks = 1 if model.dropout else 0
+    norms = 4 + 2 + 2 + 2 * masks         # both norms' inputs and outputs, dropout masks
+    kv = model.kv_heads / model.heads
+    split = 2 + 4 * kv + 2 + 2 * (3 if model.gated else 2) * model.ffn / h  # Q, K, V, proj, FFN
+    saved = s * b * h * (norms * (1 if sp else tp) + split) / tp
+    if recompute == "none":               # softmax's output (and its dropout's mask, output)
+        saved += (2 + 3 * masks) * model.heads * s * s * b / tp
+    return saved

@@ -14,10 +14,11 @@ a mixture-of-experts layer does, on real ranks with every all-to-all watched. 10
 (chapter 10c too) merges two blocks' partial softmaxes, as ring attention does at every
 step: held against one softmax over both blocks on one process, then run in place of
 `cp.combine` in causal ring attention on 4 real ranks. 10.6 (chapter 10d) asks for the
-model state one GPU of a real layout holds, against `ddplab.planner`'s own arithmetic.
+model state one GPU of a real layout holds, against `ddplab.planner`'s own arithmetic, and
+10.9 (chapter 10d too) for the other half, the activations one layer saves for backward.
 
 A module per concern, each registering its checks with `@exercise` when it is imported
-(chapters 10a and 10c have two each): `ddplab.exercises` imports this package, which
+(chapters 10a, 10c and 10d have two each): `ddplab.exercises` imports this package, which
 imports them all.
 
 - `tensor_parallel`: 10.1 and 10.2 (chapter 10a); its `swiglu_block`, 10.2's block, is
@@ -26,7 +27,7 @@ imports them all.
 - `pipeline_parallel`: 10.3 and 10.4 (chapter 10b);
 - `context_parallel`: 10.7 (chapter 10c);
 - `experts`: 10.5 (chapter 10c);
-- `planning`: 10.6 (chapter 10d).
+- `planning`: 10.6 and 10.9 (chapter 10d).
 """
 
 from ddplab.exercises.ch10 import (

@@ -1,10 +1,15 @@
-"""Chapter 10d's exercise: the model's state on one GPU of a layout (10.6).
+"""Chapter 10d's exercises: the two halves of one GPU's memory under a layout (10.6, 10.9).
 
 10.6 asks for the model state (parameters, gradients, optimizer) one GPU holds for a real
 model and layout (chapter 10d): the check holds the prediction against `ddplab.planner`'s
 own arithmetic over six layouts, each of which changes what the one before left out (TP,
 uneven pipeline stages, CP inside ZeRO's group, ZeRO's stages), and names the category and
-the rule that differ.
+the rule that differ. 10.9 asks for the other half, the activations one layer saves for
+backward: Korthikanti et al.'s table for GPT-3, then each change a Llama layer and a layout
+make (grouped-query attention, SwiGLU, no dropout, TP with and without sequence
+parallelism, selective and full recomputation), against the planner's
+`Transformer.activation_bytes`; a known mistake is named by recomputing the formula with
+it (`_activations`).
 """
 
 from __future__ import annotations
@@ -111,3 +116,86 @@ def check_model_state_bytes(model_state_bytes: Callable) -> str:
                          f"per GPU; the planner says {want[category]:,.0f}.", hint)
     return (f"your model state matches the planner's in all {len(_cases())} layouts: TP, "
             "uneven stages, CP inside ZeRO's group, ZeRO-1, 2, 3 and tied embeddings.")
+
+
+# --- 10.9 the activation half: what one layer saves for backward (chapter 10d) ---
+
+def _activation_cases() -> list[tuple[str, int, bool, str, int]]:
+    """(model preset, TP, sequence parallelism, recomputation, micro-batch): GPT-3 as
+    Korthikanti's table has it, then Llama's grouped-query attention, SwiGLU and missing
+    dropout, SP off, the scores kept, and full recomputation both ways."""
+    return [
+        ("gpt3-175b", 1, True, "none", 1),
+        ("llama3-70b", 8, True, "selective", 1),
+        ("llama3-70b", 8, False, "selective", 1),
+        ("llama3-8b", 4, True, "none", 2),
+        ("llama3-70b", 8, True, "full", 1),
+        ("llama3-70b", 8, False, "full", 1),
+    ]
+
+
+def _activations(m, tp: int, sp: bool, recompute: str, micro_batch: int,
+                 mistake: str = "") -> float:
+    """Korthikanti et al.'s bytes, generalised as chapter 10d states, or what `mistake`
+    makes of them (to name it in the hint)."""
+    s, b, h = m.seq, micro_batch, m.hidden
+    whole = tp if (not sp and mistake != "sp ignored") else 1  # the norms' regions' divisor
+    if recompute == "full":
+        if mistake == "full whole":
+            return 2 * s * b * h
+        return 2 * s * b * h / (1 if whole > 1 else tp)
+    r = 1 if mistake == "no gqa" else m.kv_heads / m.heads
+    mask = 1 if mistake == "masks" else int(m.dropout)
+    gated = m.gated and mistake != "ungated"
+    norms = 4 + 2 + 2 + 2 * mask
+    split = 2 + 4 * r + 2 + 2 * (3 if gated else 2) * m.ffn / h
+    saved = s * b * h * (norms * whole + split) / tp
+    if recompute == "none" or mistake == "scores kept":
+        saved += (2 + 3 * mask) * m.heads * s * s * b / tp
+    return saved * (2 if mistake == "fp32" else 1)
+
+
+ACTIVATION_MISTAKES = {
+    "no gqa": "with grouped-query attention K and V are kv_heads / heads as wide as Q "
+              "(Llama 3: 8 of 64 heads), so they save 2sbh · kv_heads / heads each",
+    "ungated": "a gated MLP (Llama's SwiGLU) saves three FFN-wide tensors: the two "
+               "projections' outputs and their product, where GELU's saves two",
+    "masks": "Llama has no dropout: no masks after attention and the MLP, and of the "
+             "scores' 5as²b only softmax's output, 2as²b, remains",
+    "sp ignored": "without sequence parallelism the norms' regions (their inputs, their "
+                  "outputs, the masks; under full recomputation the layer's input) stay "
+                  "whole on every rank; only the rest is split TP ways",
+    "scores kept": "selective recomputation (or FlashAttention) drops the s × s scores' "
+                   "terms, the as²b ones",
+    "full whole": "full recomputation keeps each layer's input, 2sbh, and with sequence "
+                  "parallelism that input is split TP ways too",
+    "fp32": "the activations are bf16: 2 bytes an element",
+}
+
+
+@exercise("10.9", "The activation half: what one layer saves for backward",
+          solution="layer_activation_bytes",
+          hint="start from Korthikanti's sbh(34 + 5as/h) and change one term at a time: "
+               "K and V with grouped-query attention, the FFN-wide tensors of a gated MLP, "
+               "no dropout, then what TP divides with and without SP.")
+def check_layer_activation_bytes(layer_activation_bytes: Callable) -> str:
+    from ddplab.planner import MODELS
+
+    for name, tp, sp, recompute, micro_batch in _activation_cases():
+        m = MODELS[name]
+        got = layer_activation_bytes(m, tp, sp, recompute, micro_batch)
+        where = (f"for {m.name}, TP {tp}, sequence parallelism {'on' if sp else 'off'}, "
+                 f"recompute {recompute!r}, micro-batch {micro_batch}")
+        expect(isinstance(got, (int, float)) and not isinstance(got, bool),
+               f"{where}, you returned {got!r}; expected a number of bytes.")
+        want = m.activation_bytes(micro_batch, tp, 1, recompute, sp)
+        if _same(float(got), want):
+            continue
+        hint = next((why for mistake, why in ACTIVATION_MISTAKES.items()
+                     if _same(float(got), _activations(m, tp, sp, recompute, micro_batch,
+                                                       mistake))), "")
+        raise NotYet(f"{where}, you predicted {got:,.0f} bytes a layer; the planner says "
+                     f"{want:,.0f} ({got / want:.3g} times as many).", hint)
+    return (f"your activations match the planner's in all {len(_activation_cases())} cases: "
+            "GPT-3's table, grouped-query attention, SwiGLU, no dropout, TP with and "
+            "without SP, the scores dropped, full recomputation.")
