@@ -347,6 +347,47 @@ def test_context_parallel_forward_and_backward_equal_full_attention(pool, layout
                                       + [("reduce_scatter_single", 1024)] * 2), r["calls"]
 
 
+def ulysses_vs_full(causal: bool, heads: int) -> dict:
+    """Max |Δ| of this rank's output rows and q, k, v gradients by Ulysses against full
+    attention on one process (`heads` heads, contiguous split), and its collectives; or the
+    error a heads count the group does not divide gives."""
+    from ddplab.parallel.cp import ulysses_attention
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 2, heads, 16, 8, generator=g).unbind(0)
+    grad = torch.randn(2, heads, 16, 8, generator=g)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attention(*full, causal)
+    (want * grad).sum().backward()
+    mine = [split_sequence(t, r, n).requires_grad_() for t in (q, k, v)]
+    try:
+        with record_collectives() as comms:
+            out = ulysses_attention(*mine, causal=causal)
+            (out * split_sequence(grad, r, n)).sum().backward()
+    except ValueError as err:
+        return {"error": str(err)}
+    part = {"out": (out - split_sequence(want, r, n)).abs().max().item()}
+    for name, ours, theirs in zip("qkv", mine, full, strict=True):
+        part[f"d{name}"] = (ours.grad - split_sequence(theirs.grad, r, n)).abs().max().item()
+    part["calls"] = [(c.kind, c.bytes) for c in comms]
+    return part
+
+
+@pytest.mark.slow
+def test_ulysses_forward_and_backward_equal_full_attention(pool):
+    """Four all-to-alls forward (q, k, v, the output), four back; every rank's rows and
+    gradients equal full attention's, causal or not; heads that 4 ranks cannot share are
+    refused with the fix."""
+    for causal in (False, True):
+        for r in pool.run(ulysses_vs_full, causal, 4):
+            assert max(r[key] for key in ("out", "dq", "dk", "dv")) < 1e-5, (causal, r)
+            # each tensor: 2 batches x 4 heads x 4 tokens x 8 features x 4 bytes
+            assert r["calls"] == [("all_to_all_single", 1024)] * 8, r["calls"]
+    for r in pool.run(ulysses_vs_full, True, 2):
+        assert "2 heads" in r["error"] and "divides" in r["error"], r
+
+
 def rope_ring(layout: str, global_positions: bool) -> float:
     """Max |Δ| of ring attention with rotary embeddings applied per rank, against full
     attention with them applied to the whole sequence, causal."""

@@ -134,6 +134,10 @@ def test_links_label_calls_and_bytes_and_widen_with_bytes():
     assert fig.get_size_inches()[0] <= MAX_WIDTH
     assert "all-reduce ×4\n1,024 B on a ring" in texts(fig)
     assert "all-gather ×1\n2,144 B on a ring" in texts(fig)
+    counted = [[0, 7, 11, 0], [7, 0, 0, 13], [11, 0, 0, 0], [0, 13, 0, 0]]
+    at_sockets = viz.show_group_traffic([[0, 1], [2, 3]], {"a": TP_CALLS},
+                                        counted={"a": counted})
+    assert "all-reduce ×4\n~7 B sent" in texts(at_sockets)  # counted: about, never exact
     widths = sorted({round(line.get_linewidth(), 2) for line in fig.axes[0].lines})
     assert widths == [round(1 + 7 * 1024 / 2144, 2), 8.0]
     boxes = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]

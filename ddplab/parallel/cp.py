@@ -41,6 +41,15 @@ reduce-scatter of dK and dV) and attends with its own queries. It holds all of K
 once (S x d, not S/N x d, per layer) and its all-gather's latency is exposed, in exchange
 for working with any attention mask (document masks) and for small messages when K and V
 are small next to Q (grouped-query attention); it needs no online softmax at all.
+
+`ulysses_attention` is the third way, DeepSpeed-Ulysses (Jacobs et al. 2023): attention
+mixes tokens but never heads, so instead of moving K and V along the sequence it moves the
+SPLIT. One all-to-all each for Q, K and V turns "my S/N tokens, every head" into "every
+token, my H/N heads"; each rank then runs ordinary (or any fused) attention over the whole
+sequence for its heads, and a fourth all-to-all turns the output back. Each rank sends
+(N - 1)/N of its four tensors, a volume that shrinks as N grows where the ring's does not,
+but N can be at most the number of heads (of KV heads, with grouped-query attention,
+unless they are copied), and all-to-alls want a fast, fully connected network (NVLink).
 """
 
 from __future__ import annotations
@@ -259,6 +268,52 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask = (mine.unsqueeze(1) >= everyone.unsqueeze(0)).to(q.device) if causal else None
     out, _ = block_attention(q, k_all, v_all, mask)
     return out
+
+
+def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torch.Tensor:
+    """Cut `x` into N pieces along `split_dim`, send piece j to rank j, and join the pieces
+    received along `cat_dim`, in rank order (one `all_to_all_single`)."""
+    world = dist.get_world_size(group)
+    send = torch.stack(x.chunk(world, dim=split_dim)).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=cat_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Ulysses' reshuffle, differentiable: its backward is the reverse all-to-all (split
+    where the forward joined, join where it split), since the forward only moves pieces."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torch.Tensor:
+        ctx.dims, ctx.group = (split_dim, cat_dim), group
+        return _all_to_all(x, split_dim, cat_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        split_dim, cat_dim = ctx.dims
+        return _all_to_all(grad.contiguous(), cat_dim, split_dim, ctx.group), None, None, None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      causal: bool = False, group=None) -> torch.Tensor:
+    """This rank's rows of attention by DeepSpeed-Ulysses: q, k, v are this rank's
+    contiguous part of the sequence with every head, [..., heads, S/N, d]; all-to-alls give
+    each rank every token of heads/N heads, plain attention runs there, and one more
+    all-to-all returns this rank's tokens with every head. Differentiable (each all-to-all's
+    backward is the reverse one). The heads (and K/V's heads) must divide by N."""
+    world = dist.get_world_size(group)
+    if q.dim() < 3:
+        raise ValueError("ulysses_attention needs a heads dimension: q, k, v shaped "
+                         f"[..., heads, tokens, d], got q of shape {tuple(q.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-3] % world:
+            raise ValueError(f"Ulysses splits the heads over the {world} ranks, but {name} "
+                             f"has {t.shape[-3]} heads: use a group whose size divides "
+                             "the heads (and the KV heads), or ring/all-gather attention")
+    everything = [_AllToAll.apply(t, -3, -2, group) for t in (q, k, v)]  # all tokens, my heads
+    out = attention(*everything, causal=causal)
+    return _AllToAll.apply(out, -2, -3, group)                         # my tokens, all heads
 
 
 @dataclass(frozen=True)
