@@ -30,7 +30,7 @@ formula leaves out. The formulas:
   micro-batch: two numbers per GPU type (see `GPUS`), fitted on measured steps (the H100's
   and H200's on an H200's own steps, `ddplab.planning.steps`; the A100's on Megatron-LM's
   runs). The overhead, a layer's cost whatever its width, is what makes a narrow model's
-  efficiency lower: 47 % of peak at hidden 2,048, 56 % at 8,192, as measured. For a
+  efficiency lower: 48 % of peak at hidden 2,048, 57 % at 8,192, as measured. For a
   measured cluster the efficiency is 1 and the overhead 0: the FLOP/s given is already
   what a matmul got.
 - **Communication** is chapter 8a's α–β model (`ddplab.costmodel.Model`): a ring

@@ -291,7 +291,8 @@ def test_every_pipeline_depth_is_searched() -> None:
 def test_frameworks_limit_what_search_tries() -> None:
     """Megatron-LM 2021 had no sequence parallelism, no selective recomputation, no ZeRO
     and no CP; DeepSpeed's pipeline takes ZeRO-1 at most; torchtitan's pipeline keeps
-    gradients unsharded. `plan` says why a framework cannot run a layout."""
+    gradients unsharded, and without one it syncs every micro-batch. `plan` says why a
+    framework cannot run a layout."""
     from ddplab.planner import FRAMEWORKS
     from ddplab.planning.predict import layouts
 
@@ -307,6 +308,9 @@ def test_frameworks_limit_what_search_tries() -> None:
     assert all(lay.grad_sync == "step" for lay in piped)
     # weights kept up to 3 virtual stages a GPU (torch's interleaved runtime keeps 3)
     assert all(lay.keep_weights == (lay.interleave <= 3) for lay in piped)
+    # without a pipeline its loop never turns FSDP's sync off: every micro-batch, regathered
+    flat = [lay for lay in titan if lay.pp == 1 and lay.zero == 3]
+    assert flat and {(lay.grad_sync, lay.keep_weights) for lay in flat} == {("micro-batch", False)}
     assert {lay.recompute for lay in titan} == {"selective", "full"}
     assert {lay.kernels for lay in titan} == {"eager"} and all(lay.fp32_shards for lay in titan)
     p = plan(m, c, 64, Layout(tp=8, pp=2, zero=2, recompute="selective"), 512,

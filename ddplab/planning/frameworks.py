@@ -32,8 +32,10 @@ class Framework:
     `pp_whole`: under a pipeline, gradients unsharded until the last micro-batch, and
     ZeRO-3's weights kept while a GPU runs at most `KEPT_STAGES` virtual stages, gathered
     again beyond (torch's pipelining: its interleaved runtime keeps at most that many
-    stages unsharded, `_add_unshard_reshard(max_active_stages=3)`); `grad_dtype`,
-    `fp32_shards` and `kernels`: what its layouts use (`Layout`'s)."""
+    stages unsharded, `_add_unshard_reshard(max_active_stages=3)`); `flat_sync`: without
+    a pipeline, ZeRO-2 and 3 sync every micro-batch and regather the weights (a training
+    loop that never turns FSDP's gradient sync off); `grad_dtype`, `fp32_shards` and
+    `kernels`: what its layouts use (`Layout`'s)."""
 
     name: str
     zero: tuple[int, ...]
@@ -45,6 +47,7 @@ class Framework:
     keep_weights: tuple[bool, ...] = (False, True)
     pp_zero: int = 3
     pp_whole: bool = False
+    flat_sync: bool = False
     grad_dtype: str = "fp32"
     fp32_shards: bool = False
     kernels: str = "fused"
@@ -75,6 +78,10 @@ class Framework:
             why.append(f"{self.name}'s pipeline keeps gradients unsharded until the last "
                        f"micro-batch, and ZeRO-3's weights too up to {KEPT_STAGES} virtual "
                        "stages a GPU")
+        if self.flat_sync and lay.pp == 1 and lay.zero >= 2 and (
+                lay.grad_sync != "micro-batch" or (lay.zero == 3 and lay.keep_weights)):
+            why.append(f"{self.name}'s training loop leaves FSDP's gradient sync on without a "
+                       "pipeline: it reduce-scatters, and regathers, every micro-batch")
         if lay.zero == 3 and lay.keep_weights not in self.keep_weights:
             why.append(f"{self.name} does not {'keep' if lay.keep_weights else 'regather'} "
                        "ZeRO-3's weights across micro-batches")
@@ -119,13 +126,15 @@ FRAMEWORKS: dict[str, Framework] = {
     # fp32
     # (`mixed_precision_reduce = "float32"`); eager unless `--compile`. FSDP2
     # reduce-scatters after every micro-batch unless told not to
-    # (`set_requires_gradient_sync(False)`); pipelining keeps gradients unsharded until the
-    # last micro-batch (`pipelining/stage.py`), and with `reshard_after_forward=False`
-    # (torchtitan's under PP) the weights, up to `KEPT_STAGES` virtual stages a GPU.
+    # (`set_requires_gradient_sync(False)`), which torchtitan's loop without a pipeline
+    # never calls: there it syncs, and regathers, every micro-batch (`flat_sync`);
+    # pipelining keeps gradients unsharded until the last micro-batch
+    # (`pipelining/stage.py`), and with `reshard_after_forward=False` (torchtitan's under
+    # PP) the weights, up to `KEPT_STAGES` virtual stages a GPU.
     "torchtitan": Framework(
         "torchtitan", zero=(0, 3), sp=(True,), recompute=("selective", "full"),
         interleave=True, cp=True,
-        pp_whole=True, fp32_shards=True, kernels="eager",
+        pp_whole=True, flat_sync=True, fp32_shards=True, kernels="eager",
         source="torchtitan; torch.distributed.fsdp and .pipelining"),
     # DeepSpeed's ZeRO stages 0-3 (reduce-scatter every micro-batch), its pipeline engine
     # (1F1B, no interleaving; "ZeRO-2 and ZeRO-3 are incompatible with pipeline

@@ -140,7 +140,7 @@ class Cluster:
     `overhead`: seconds a layer costs per micro-batch beyond its FLOPs at `efficiency`,
     whatever its width (kernel launches, small kernels that do not fill the GPU): with it
     the efficiency a layer reaches, FLOPs ÷ (FLOPs ÷ (peak × efficiency) + overhead), grows
-    with the matmuls' size, as measured on an H200 (47 % at hidden 2,048, 56 % at 8,192);
+    with the matmuls' size, as measured on an H200 (48 % at hidden 2,048, 57 % at 8,192);
     fitted with `efficiency` per GPU type (`ddplab.planning.steps`), 0 for a measured
     cluster (its `vector` term takes that place)."""
 

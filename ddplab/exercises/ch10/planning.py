@@ -155,6 +155,20 @@ def _activations(m, tp: int, sp: bool, recompute: str, micro_batch: int,
     return saved * (2 if mistake == "fp32" else 1)
 
 
+def _terms(m, tp: int, got: float, want: float) -> str:
+    """For an answer no known mistake explains: the difference in Korthikanti's unit,
+    sbh/t, beside what each term is worth in that unit for this model, so the learner can
+    find which term is off."""
+    unit = m.seq * m.hidden / tp  # sbh/t bytes for one sequence (micro-batch 1)
+    r = m.kv_heads / m.heads
+    return (f"your answer is {(got - want) / unit:+.2f} sbh/t away (per sequence of the "
+            f"micro-batch). In that unit, for {m.name}: K and V {2 * r:g} each (2 × "
+            f"kv_heads/heads), one FFN-wide tensor {2 * m.ffn / m.hidden:g} (2 × ffn/h), a "
+            "dropout mask 1, a norm's input or output 2; the scores: softmax's bf16 output "
+            f"{2 * m.heads * m.seq / m.hidden:g} (2as/h), a dropout mask over them "
+            f"{m.heads * m.seq / m.hidden:g} (as/h)")
+
+
 ACTIVATION_MISTAKES = {
     "no gqa": "with grouped-query attention K and V are kv_heads / heads as wide as Q "
               "(Llama 3: 8 of 64 heads), so they save 2sbh · kv_heads / heads each",
@@ -193,7 +207,8 @@ def check_layer_activation_bytes(layer_activation_bytes: Callable) -> str:
             continue
         hint = next((why for mistake, why in ACTIVATION_MISTAKES.items()
                      if _same(float(got), _activations(m, tp, sp, recompute, micro_batch,
-                                                       mistake))), "")
+                                                       mistake))), "") or _terms(m, tp, got,
+                                                                                 want)
         raise NotYet(f"{where}, you predicted {got:,.0f} bytes a layer; the planner says "
                      f"{want:,.0f} ({got / want:.3g} times as many).", hint)
     return (f"your activations match the planner's in all {len(_activation_cases())} cases: "
