@@ -51,7 +51,7 @@ def plan(notebook: Path) -> tuple[str, int, int]:
     code = sum(1 for c in cells if c["cell_type"] == "code")
     exercises = len({m for text in markdown
                      for m in re.findall(r"^#+ Exercise (\d+\.\d+)", text, re.MULTILINE)})
-    title = next(re.sub(r"^# [0-9ab]+ · ", "", line) for text in markdown
+    title = next(re.sub(r"^# [0-9a-z]+ · ", "", line) for text in markdown
                  for line in text.splitlines() if line.startswith("# "))
     minutes = (words / WORDS_PER_MINUTE + code * MINUTES_PER_CELL
                + exercises * MINUTES_PER_EXERCISE)
