@@ -1772,7 +1772,7 @@ def _swiglu_sp_output_dtensor(model, mesh):
 
 def _vocab_with(logits, target, *, gather=False, peak_op="max", reduce_total=True,
                 reduce_picked=True, reduction="mean"):
-    """10.8: the solution with one step changed at a time (see the rows below). `peak_op`:
+    """10.3: the solution with one step changed at a time (see the rows below). `peak_op`:
     "max" (right), "sum" (all_reduce's default op), "local" (never all-reduced) or None
     (no maximum subtracted at all)."""
     import torch
@@ -1803,47 +1803,47 @@ def _vocab_with(logits, target, *, gather=False, peak_op="max", reduce_total=Tru
 
 
 def _vocab_gathered(logits, target):
-    """10.8, wrong: every rank's slice all-gathered, then F.cross_entropy of the whole."""
+    """10.3, wrong: every rank's slice all-gathered, then F.cross_entropy of the whole."""
     return _vocab_with(logits, target, gather=True)
 
 
 def _vocab_local_max(logits, target):
-    """10.8, wrong: each rank subtracts its own maximum, never all-reduced with MAX."""
+    """10.3, wrong: each rank subtracts its own maximum, never all-reduced with MAX."""
     return _vocab_with(logits, target, peak_op="local")
 
 
 def _vocab_max_summed(logits, target):
-    """10.8, wrong: the maxima all-reduced with all_reduce's default op, SUM."""
+    """10.3, wrong: the maxima all-reduced with all_reduce's default op, SUM."""
     return _vocab_with(logits, target, peak_op="sum")
 
 
 def _vocab_no_max(logits, target):
-    """10.8, wrong: exp of the logits themselves, no maximum subtracted."""
+    """10.3, wrong: exp of the logits themselves, no maximum subtracted."""
     return _vocab_with(logits, target, peak_op=None)
 
 
 def _vocab_local_total(logits, target):
-    """10.8, wrong: the sum of exponentials never all-reduced."""
+    """10.3, wrong: the sum of exponentials never all-reduced."""
     return _vocab_with(logits, target, reduce_total=False)
 
 
 def _vocab_target_on_holder(logits, target):
-    """10.8, wrong: the target's logit taken on its holder and never shared."""
+    """10.3, wrong: the target's logit taken on its holder and never shared."""
     return _vocab_with(logits, target, reduce_picked=False)
 
 
 def _vocab_summed(logits, target):
-    """10.8, wrong: the tokens' losses summed, not averaged."""
+    """10.3, wrong: the tokens' losses summed, not averaged."""
     return _vocab_with(logits, target, reduction="sum")
 
 
 def _vocab_per_token(logits, target):
-    """10.8, wrong: the tokens' losses returned, not their mean."""
+    """10.3, wrong: the tokens' losses returned, not their mean."""
     return _vocab_with(logits, target, reduction="none")
 
 
 def _vocab_stacked(logits, target):
-    """10.8, against the exercise's rule: the sum of exponentials and the target's logit
+    """10.3, against the exercise's rule: the sum of exponentials and the target's logit
     all-reduced together, two numbers a token in one collective."""
     import torch
     import torch.distributed as dist
@@ -1861,7 +1861,7 @@ def _vocab_stacked(logits, target):
 
 
 def _vocab_padded_all_reduce(logits, target):
-    """10.8, wrong: the whole (tokens, V) logits built on every rank by an all-reduce of
+    """10.3, wrong: the whole (tokens, V) logits built on every rank by an all-reduce of
     zero-padded slices: a gather in all but name."""
     import torch
     import torch.distributed as dist
@@ -1904,27 +1904,27 @@ CHAPTER_10A = [
      "sums"),
     ("10.2", _swiglu_sp_all_colwise, "RuntimeError", "RowwiseParallel"),
     ("10.2", _swiglu_sp_output_dtensor, "rank 0's output is a DTensor", "which layer ends"),
-    ("10.8", _vocab_gathered, _V32 + "rank 0's all_gather sent 48 numbers (192 B), as many "
+    ("10.3", _vocab_gathered, _V32 + "rank 0's all_gather sent 48 numbers (192 B), as many "
      "as its whole slice of the logits, 6 × 8", "one number a token from every rank"),
-    ("10.8", _vocab_padded_all_reduce, _V32 + "rank 0's all_reduce sent 192 numbers (768 B), "
+    ("10.3", _vocab_padded_all_reduce, _V32 + "rank 0's all_reduce sent 192 numbers (768 B), "
      "as many as the whole logits, 6 × 32", "one number a token from every rank"),
-    ("10.8", _vocab_stacked, _V32 + "rank 0's all_reduce sent 12 numbers, 2 a token",
+    ("10.3", _vocab_stacked, _V32 + "rank 0's all_reduce sent 12 numbers, 2 a token",
      "each a (tokens,) tensor"),
-    ("10.8", _vocab_local_max, _V32 + "no collective took the maximum over the ranks",
+    ("10.3", _vocab_local_max, _V32 + "no collective took the maximum over the ranks",
      "the same number on every rank"),
-    ("10.8", _vocab_max_summed, "for logits near 1000 (6 tokens, V = 32) on 4 ranks, rank 0 "
+    ("10.3", _vocab_max_summed, "for logits near 1000 (6 tokens, V = 32) on 4 ranks, rank 0 "
      "returned -inf: every exponential underflowed to 0 (log 0 = -inf), so the number "
      "subtracted from the logits was far above all of them: the ranks' maxima were "
      "all-reduced with SUM", "ReduceOp.MAX"),
-    ("10.8", _vocab_no_max, "for logits near 1000 (6 tokens, V = 32) on 4 ranks, rank 0 "
+    ("10.3", _vocab_no_max, "for logits near 1000 (6 tokens, V = 32) on 4 ranks, rank 0 "
      "returned inf (the logits reach", "subtract the token's largest logit"),
-    ("10.8", _vocab_local_total, _V32 + "rank 0's sum of exponentials is only over its own 8 "
+    ("10.3", _vocab_local_total, _V32 + "rank 0's sum of exponentials is only over its own 8 "
      "classes", "every rank's share of it"),
-    ("10.8", _vocab_target_on_holder, _V32 + "rank 0 counted the target's logit only for the "
+    ("10.3", _vocab_target_on_holder, _V32 + "rank 0 counted the target's logit only for the "
      "tokens whose target is among its own classes", "one collective adds them"),
-    ("10.8", _vocab_summed, _V32 + "the tokens' losses were summed, not averaged",
+    ("10.3", _vocab_summed, _V32 + "the tokens' losses were summed, not averaged",
      "the mean over the tokens"),
-    ("10.8", _vocab_per_token, _V32 + "rank 0 returned a tensor of shape (6,): one loss a "
+    ("10.3", _vocab_per_token, _V32 + "rank 0 returned a tensor of shape (6,): one loss a "
      "token", "averages over the tokens"),
 ]
 
@@ -1932,40 +1932,40 @@ CHAPTER_10A = [
 # --- chapter 10b: typical wrong attempts and the verdict each gets ---
 
 def _fill_only(p, m, forward=1, backward=2, last=0):
-    """10.3, wrong: only the fill before a stage's first forward counted as idle."""
+    """10.4, wrong: only the fill before a stage's first forward counted as idle."""
     idle = (p - 1) * forward
     return idle, idle / (m * (forward + backward) + idle)
 
 
 def _units_fixed(p, m, forward=1, backward=2, last=0):
-    """10.3, wrong: a forward 1 and a backward 2 whatever the arguments."""
+    """10.4, wrong: a forward 1 and a backward 2 whatever the arguments."""
     return 3 * (p - 1), (p - 1) / (m + p - 1)
 
 
 def _playbook_ratio(p, m, forward=1, backward=2, last=0):
-    """10.3, wrong: the idle time over the working time, (p − 1)/m, as the share."""
+    """10.4, wrong: the idle time over the working time, (p − 1)/m, as the share."""
     return (p - 1) * (forward + backward), (p - 1) / m
 
 
 def _percent(p, m, forward=1, backward=2, last=0):
-    """10.3, wrong: the share as a percentage."""
+    """10.4, wrong: the share as a percentage."""
     return (p - 1) * (forward + backward), 100 * (p - 1) / (m + p - 1)
 
 
 def _equal_stages(p, m, forward=1, backward=2, last=0):
-    """10.3, wrong: the last stage's extra left out, as if the stages were equal."""
+    """10.4, wrong: the last stage's extra left out, as if the stages were equal."""
     idle = (p - 1) * (forward + backward)
     return idle, idle / (m * (forward + backward) + idle)
 
 
 def _extra_once(p, m, forward=1, backward=2, last=0):
-    """10.3, wrong: the last stage's extra counted once, not once per micro-batch."""
+    """10.4, wrong: the last stage's extra counted once, not once per micro-batch."""
     idle = (p - 1) * (forward + backward) + last
     return idle, idle / (m * (forward + backward) + idle)
 
 
 def _gpipe_order(stage, stages, micro_batches):
-    """10.4, wrong: GPipe's order, all forwards then all backwards."""
+    """10.5, wrong: GPipe's order, all forwards then all backwards."""
     return [f"F{i}" for i in range(micro_batches)] + [f"B{i}" for i in range(micro_batches)]
 
 
@@ -1981,36 +1981,36 @@ def _warm_up(count):
 
 
 def _no_cool_down(stage, stages, micro_batches):
-    """10.4, wrong: the cool-down's backwards left out."""
+    """10.5, wrong: the cool-down's backwards left out."""
     return _warm_up(lambda s, p: p - s - 1)(stage, stages, micro_batches)[:-1]
 
 
 CHAPTER_10B = [
-    ("10.3", _fill_only, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
+    ("10.4", _fill_only, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
      "returned 1 idle units: (p − 1) · forward, the fill before the last stage's",
      "the fill is only (p − 1) forwards of it"),
-    ("10.3", _units_fixed, "for p = 3 stages, m = 5 micro-batches, forward 2, backward 3 you "
+    ("10.4", _units_fixed, "for p = 3 stages, m = 5 micro-batches, forward 2, backward 3 you "
      "returned 6 idle units, as if a forward took 1", "with forward and backward in it"),
-    ("10.3", _playbook_ratio, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
+    ("10.4", _playbook_ratio, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
      "returned a share of 1 = (p − 1)/m", "divide the idle time by the whole step"),
-    ("10.3", _percent, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
+    ("10.4", _percent, "for p = 2 stages, m = 1 micro-batches, forward 1, backward 2 you "
      "returned a share of 50: a share is a fraction", "when does stage 0 get its first"),
-    ("10.3", _equal_stages, "for p = 4 stages, m = 6 micro-batches, forward 1, backward 2, "
+    ("10.4", _equal_stages, "for p = 4 stages, m = 6 micro-batches, forward 1, backward 2, "
      "the last stage's forward 1 longer, you returned 9 idle units, as if the last stage",
      "the slowest stage sets the pace"),
-    ("10.3", _extra_once, "for p = 4 stages, m = 6 micro-batches, forward 1, backward 2, the "
+    ("10.4", _extra_once, "for p = 4 stages, m = 6 micro-batches, forward 1, backward 2, the "
      "last stage's forward 1 longer, you returned 10 idle units, the last stage's extra "
      "counted once", "one after the other"),
-    ("10.4", _gpipe_order, "on 4 stages with 6 micro-batches, your orders run, but stage 0 "
+    ("10.5", _gpipe_order, "on 4 stages with 6 micro-batches, your orders run, but stage 0 "
      "holds 6 micro-batches' activations at once", "freed by its backward"),
-    ("10.4", _warm_up(lambda s, p: s), "on 4 stages with 6 micro-batches, your orders "
+    ("10.5", _warm_up(lambda s, p: s), "on 4 stages with 6 micro-batches, your orders "
      "deadlock: stage 0 waits in B0 for micro-batch 0's gradient from stage 1",
      "does stage 0 send enough forwards"),
-    ("10.4", _warm_up(lambda s, p: p - s), "on 4 stages with 6 micro-batches, your orders "
+    ("10.5", _warm_up(lambda s, p: p - s), "on 4 stages with 6 micro-batches, your orders "
      "run, but stage 0 holds 5 micro-batches' activations", "and no more"),
-    ("10.4", _warm_up(lambda s, p: 0), "on 4 stages with 6 micro-batches, your orders run "
+    ("10.5", _warm_up(lambda s, p: 0), "on 4 stages with 6 micro-batches, your orders run "
      "and hold few activations, but the stages take turns", "with too short a warm-up"),
-    ("10.4", _no_cool_down, "for stage 0 of 4 with 6 micro-batches, the order never runs B5",
+    ("10.5", _no_cool_down, "for stage 0 of 4 with 6 micro-batches, the order never runs B5",
      "its backward once"),
 ]
 
@@ -2020,7 +2020,7 @@ CHAPTER_10B = [
 def _route_with(tokens, expert, num_experts, *, exchange=True, sort=True, splits=True,
                 dtype=None, minlength=True, out_like_rows=False, regroup=True, stable=True,
                 holder=None):
-    """10.5: the solution with one step changed at a time (see the rows below)."""
+    """10.6: the solution with one step changed at a time (see the rows below)."""
     import torch
     import torch.distributed as dist
 
@@ -2055,27 +2055,27 @@ def _route_with(tokens, expert, num_experts, *, exchange=True, sort=True, splits
 
 
 def _counts_not_exchanged(tokens, expert, num_experts):
-    """10.5, wrong: output_split_sizes are this rank's own send counts."""
+    """10.6, wrong: output_split_sizes are this rank's own send counts."""
     return _route_with(tokens, expert, num_experts, exchange=False)
 
 
 def _unsorted_rows(tokens, expert, num_experts):
-    """10.5, wrong: the right split sizes, the rows in their original order."""
+    """10.6, wrong: the right split sizes, the rows in their original order."""
     return _route_with(tokens, expert, num_experts, sort=False)
 
 
 def _even_splits(tokens, expert, num_experts):
-    """10.5, wrong: all_to_all_single without split sizes."""
+    """10.6, wrong: all_to_all_single without split sizes."""
     return _route_with(tokens, expert, num_experts, splits=False)
 
 
 def _float_counts(tokens, expert, num_experts):
-    """10.5, wrong: counts made float before the exchange, so the split sizes are floats."""
+    """10.6, wrong: counts made float before the exchange, so the split sizes are floats."""
     return _route_with(tokens, expert, num_experts, dtype="float32")
 
 
 def _float_count_buffer(tokens, expert, num_experts):
-    """10.5, wrong: int64 counts received into a float32 buffer (torch.empty(n))."""
+    """10.6, wrong: int64 counts received into a float32 buffer (torch.empty(n))."""
     import torch
     import torch.distributed as dist
 
@@ -2086,12 +2086,12 @@ def _float_count_buffer(tokens, expert, num_experts):
 
 
 def _unstable_sort(tokens, expert, num_experts):
-    """10.5, wrong: rows sorted by expert, but the last token first within one."""
+    """10.6, wrong: rows sorted by expert, but the last token first within one."""
     return _route_with(tokens, expert, num_experts, stable=False)
 
 
 def _returns_what_it_sends(tokens, expert, num_experts):
-    """10.5, wrong: the exchange done, but the sorted input returned."""
+    """10.6, wrong: the exchange done, but the sorted input returned."""
     import torch
 
     _route_with(tokens, expert, num_experts)
@@ -2099,17 +2099,17 @@ def _returns_what_it_sends(tokens, expert, num_experts):
 
 
 def _bincount_without_minlength(tokens, expert, num_experts):
-    """10.5, wrong: torch.bincount(expert) stops at the largest expert present."""
+    """10.6, wrong: torch.bincount(expert) stops at the largest expert present."""
     return _route_with(tokens, expert, num_experts, minlength=False)
 
 
 def _output_like_input(tokens, expert, num_experts):
-    """10.5, wrong: the output buffer made with empty_like(rows): the rows it sends."""
+    """10.6, wrong: the output buffer made with empty_like(rows): the rows it sends."""
     return _route_with(tokens, expert, num_experts, out_like_rows=True)
 
 
 def _splits_per_expert(tokens, expert, num_experts):
-    """10.5, wrong: the per-expert counts used as split sizes (6 numbers for 3 ranks)."""
+    """10.6, wrong: the per-expert counts used as split sizes (6 numbers for 3 ranks)."""
     import torch
     import torch.distributed as dist
 
@@ -2124,7 +2124,7 @@ def _splits_per_expert(tokens, expert, num_experts):
 
 
 def _rows_by_all_gather(tokens, expert, num_experts):
-    """10.5, wrong: counts by all_to_all_single, then every rank's rows all-gathered (as
+    """10.6, wrong: counts by all_to_all_single, then every rank's rows all-gathered (as
     objects) and filtered, instead of the uneven all-to-all."""
     import torch
     import torch.distributed as dist
@@ -2143,12 +2143,12 @@ def _rows_by_all_gather(tokens, expert, num_experts):
 
 
 def _not_regrouped(tokens, expert, num_experts):
-    """10.5, wrong: the rows returned as they arrived, sender by sender."""
+    """10.6, wrong: the rows returned as they arrived, sender by sender."""
     return _route_with(tokens, expert, num_experts, regroup=False)
 
 
 def _round_robin(tokens, expert, num_experts):
-    """10.5, wrong: expert e sent to rank e % N (relabelled so rank e % N's block is hit)."""
+    """10.6, wrong: expert e sent to rank e % N (relabelled so rank e % N's block is hit)."""
     return _route_with(tokens, expert, num_experts,
                        holder=lambda e, world, per_rank: (e % world) * per_rank
                        + e // world)
@@ -2228,31 +2228,31 @@ def _combine_by_cp(out1, lse1, out2, lse2):
 CASE1 = "with 3 ranks holding 5, 3, 4 tokens (case 1), "
 _BLOCKS = "for two blocks of 3 and 5 keys (2 heads × 4 queries × 3 features), "
 CHAPTER_10C = [
-    ("10.5", _counts_not_exchanged, CASE1 + "rank 0 expects 1 row from rank 1",
+    ("10.6", _counts_not_exchanged, CASE1 + "rank 0 expects 1 row from rank 1",
      "exchange the counts first"),
-    ("10.5", _unsorted_rows, CASE1 + "rank 0 received rank 0's token 0 (for expert 5, held "
+    ("10.6", _unsorted_rows, CASE1 + "rank 0 received rank 0's token 0 (for expert 5, held "
      "by rank 2)", "stable=True"),
-    ("10.5", _even_splits, CASE1 + "rank 0 called all_to_all_single without split sizes on "
+    ("10.6", _even_splits, CASE1 + "rank 0 called all_to_all_single without split sizes on "
      "5 rows", "give input_split_sizes"),
-    ("10.5", _float_counts, CASE1 + "rank 0 passed input_split_sizes [1.0, 1.0, 3.0]",
+    ("10.6", _float_counts, CASE1 + "rank 0 passed input_split_sizes [1.0, 1.0, 3.0]",
      ".tolist()"),
-    ("10.5", _float_count_buffer, CASE1 + "rank 0 called all_to_all_single with input int64 "
+    ("10.6", _float_count_buffer, CASE1 + "rank 0 called all_to_all_single with input int64 "
      "and output float32", "empty_like"),
-    ("10.5", _unstable_sort, CASE1 + "rank 1 received the right rows in the wrong order",
+    ("10.6", _unstable_sort, CASE1 + "rank 1 received the right rows in the wrong order",
      "stable"),
-    ("10.5", _returns_what_it_sends, CASE1 + "rank 0 returned its own rows sorted by expert",
+    ("10.6", _returns_what_it_sends, CASE1 + "rank 0 returned its own rows sorted by expert",
      "output buffer"),
-    ("10.5", _bincount_without_minlength, CASE1 + "rank 1's counts have 5 entries",
+    ("10.6", _bincount_without_minlength, CASE1 + "rank 1's counts have 5 entries",
      "minlength=num_experts"),
-    ("10.5", _output_like_input, CASE1 + "rank 0's output has 5 rows but its "
+    ("10.6", _output_like_input, CASE1 + "rank 0's output has 5 rows but its "
      "output_split_sizes [1, 2, 0] add up to 3", "sum of the counts it received"),
-    ("10.5", _splits_per_expert, CASE1 + "rank 0 passed input_split_sizes [1, 0, 0, 1, 1, 2]",
+    ("10.6", _splits_per_expert, CASE1 + "rank 0 passed input_split_sizes [1, 0, 0, 1, 1, 2]",
      "counts.view(world, -1).sum(1)"),
-    ("10.5", _rows_by_all_gather, CASE1 + "rank 0 moved no rows with all_to_all_single",
+    ("10.6", _rows_by_all_gather, CASE1 + "rank 0 moved no rows with all_to_all_single",
      "one uneven call"),
-    ("10.5", _not_regrouped, CASE1 + "rank 1 returned the right rows in the order they "
+    ("10.6", _not_regrouped, CASE1 + "rank 1 returned the right rows in the order they "
      "arrived", "stable sort"),
-    ("10.5", _round_robin, CASE1 + "rank 0 received rank 0's token 3 (for expert 3, held by "
+    ("10.6", _round_robin, CASE1 + "rank 0 received rank 0's token 3 (for expert 3, held by "
      "rank 1): the experts were dealt", "e // (E // N)"),
     ("10.7", _combine_averaged, _BLOCKS + "your output is the average of the two blocks' "
      "outputs", "Its lse says"),
@@ -2276,7 +2276,7 @@ CHAPTER_10C = [
 # --- chapter 10d: typical wrong attempts and the verdict each gets ---
 
 def _state_right(model, layout, gpus, layers=None):
-    """10.6, the rule the planner follows, for the rows below to change one thing each
+    """10.8, the rule the planner follows, for the rows below to change one thing each
     (`layers`: the fullest stage's, ⌈layers / PP⌉ unless given)."""
     dp = gpus // (layout.tp * layout.pp * layout.cp)
     layers = -(-model.layers // layout.pp) if layers is None else layers
@@ -2290,30 +2290,30 @@ def _state_right(model, layout, gpus, layers=None):
 
 
 def _state_without_tp(model, layout, gpus):
-    """10.6, wrong: TP forgotten."""
+    """10.8, wrong: TP forgotten."""
     return {k: v * layout.tp for k, v in _state_right(model, layout, gpus).items()}
 
 
 def _state_fp32(model, layout, gpus):
-    """10.6, wrong: fp32 Adam's 4 + 4 + 8 bytes."""
+    """10.8, wrong: fp32 Adam's 4 + 4 + 8 bytes."""
     right = _state_right(model, layout, gpus)
     return {"parameters": 2 * right["parameters"], "gradients": right["gradients"],
             "optimizer": right["optimizer"] * 8 / 12}
 
 
 def _state_bf16_grads(model, layout, gpus):
-    """10.6, wrong: gradients in bf16, 2 bytes."""
+    """10.8, wrong: gradients in bf16, 2 bytes."""
     right = _state_right(model, layout, gpus)
     return {**right, "gradients": right["gradients"] / 2}
 
 
 def _state_even_stages(model, layout, gpus):
-    """10.6, wrong: layers / PP, not whole layers."""
+    """10.8, wrong: layers / PP, not whole layers."""
     return _state_right(model, layout, gpus, layers=model.layers / layout.pp)
 
 
 def _state_grads_not_sharded(model, layout, gpus):
-    """10.6, wrong: ZeRO-2 keeps the gradients whole."""
+    """10.8, wrong: ZeRO-2 keeps the gradients whole."""
     right = _state_right(model, layout, gpus)
     if layout.zero == 2:
         right["gradients"] = 2 * right["parameters"]  # 4 bytes a parameter, whole
@@ -2321,7 +2321,7 @@ def _state_grads_not_sharded(model, layout, gpus):
 
 
 def _state_zero_over_dp(model, layout, gpus):
-    """10.6, wrong: ZeRO shards over DP only, forgetting the CP ranks."""
+    """10.8, wrong: ZeRO shards over DP only, forgetting the CP ranks."""
     right = _state_right(model, layout, gpus)
     for k, stage in (("parameters", 3), ("gradients", 2), ("optimizer", 1)):
         if layout.zero >= stage:
@@ -2330,7 +2330,7 @@ def _state_zero_over_dp(model, layout, gpus):
 
 
 def _state_both_ends(model, layout, gpus):
-    """10.6, wrong: the embedding and the logit layer both on the fullest stage."""
+    """10.8, wrong: the embedding and the logit layer both on the fullest stage."""
     right = _state_right(model, layout, gpus)
     if layout.pp == 1:
         return right
@@ -2395,19 +2395,19 @@ def _act_fp32(model, tp, sp, recompute, micro_batch):
 
 
 CHAPTER_10D = [
-    ("10.6", _state_without_tp, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
+    ("10.8", _state_without_tp, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
      "predicted", "splits every weight matrix"),
-    ("10.6", _state_fp32, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you predicted",
+    ("10.8", _state_fp32, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you predicted",
      "mixed precision"),
-    ("10.6", _state_bf16_grads, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
+    ("10.8", _state_bf16_grads, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
      "predicted", "accumulates the gradients in fp32"),
-    ("10.6", _state_both_ends, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
+    ("10.8", _state_both_ends, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
      "predicted", "not both"),
-    ("10.6", _state_even_stages, "for Llama 3 405B on 1,024 GPUs, TP 8, PP 16 (126 layers), "
+    ("10.8", _state_even_stages, "for Llama 3 405B on 1,024 GPUs, TP 8, PP 16 (126 layers), "
      "ZeRO-2, you predicted", "whole layers"),
-    ("10.6", _state_grads_not_sharded, "for Llama 3 405B on 1,024 GPUs, TP 8, PP 16 (126 "
+    ("10.8", _state_grads_not_sharded, "for Llama 3 405B on 1,024 GPUs, TP 8, PP 16 (126 "
      "layers), ZeRO-2, you predicted", "ZeRO-2 shards the gradients"),
-    ("10.6", _state_zero_over_dp, "for Llama 3 70B on 64 GPUs, TP 4, CP 2, ZeRO-1, you "
+    ("10.8", _state_zero_over_dp, "for Llama 3 70B on 64 GPUs, TP 4, CP 2, ZeRO-1, you "
      "predicted", "DP × CP"),
     ("10.9", _act_fp32, "for GPT-3 175B, TP 1, sequence parallelism on, recompute 'none', "
      "micro-batch 1, you predicted", "2 bytes an element"),

@@ -81,11 +81,11 @@ def parallelize_swiglu_sp(model, mesh):
                                                        use_local_output=False))
 
 
-# --- 10.8 the vocabulary-parallel loss ---
+# --- 10.3 the vocabulary-parallel loss ---
 
 
 def vocab_parallel_loss(logits, target):
-    """Exercise 10.8: a token's loss is log Σ exp(logit) over all V classes minus the target's
+    """Exercise 10.3: a token's loss is log Σ exp(logit) over all V classes minus the target's
     logit. Three all-reduces of one number a token: the largest logit (MAX, so that every
     rank subtracts the same number and exp never overflows), the sum of the exponentials
     (each rank's share), and the target's logit (its holder puts it in, the others 0).
@@ -104,11 +104,11 @@ def vocab_parallel_loss(logits, target):
     return (total.log() - picked).mean()
 
 
-# --- 10.3 the bubble, from the schedule ---
+# --- 10.4 the bubble, from the schedule ---
 
 
 def bubble(p, m, forward=1, backward=2, last=0):
-    """Exercise 10.3: the last stage gets its first micro-batch after p − 1 forwards (the
+    """Exercise 10.4: the last stage gets its first micro-batch after p − 1 forwards (the
     fill), and after its last forward stage 0 waits for the first gradient to come back
     through p − 1 backwards (the drain): (p − 1)(forward + backward) idle. A last stage
     slower by `last` in its forward makes the forwards queue before it: each of the m
@@ -118,11 +118,11 @@ def bubble(p, m, forward=1, backward=2, last=0):
     return idle, idle / (m * (forward + backward) + idle)
 
 
-# --- 10.4 1F1B's order, run on real ranks ---
+# --- 10.5 1F1B's order, run on real ranks ---
 
 
 def one_f_one_b(stage, stages, micro_batches):
-    """Exercise 10.4: p − s − 1 warm-up forwards (never more than there are micro-batches),
+    """Exercise 10.5: p − s − 1 warm-up forwards (never more than there are micro-batches),
     enough to keep the later stages busy until the first gradient returns; then one forward
     and one backward in turn; then the backwards left."""
     warm = min(stages - stage - 1, micro_batches)
@@ -132,11 +132,11 @@ def one_f_one_b(stage, stages, micro_batches):
     return steps + [f"B{i}" for i in range(micro_batches - warm, micro_batches)]
 
 
-# --- 10.5 route tokens to experts with all_to_all_single ---
+# --- 10.6 route tokens to experts with all_to_all_single ---
 
 
 def route_tokens(tokens, expert, num_experts):
-    """Exercise 10.5: rank r holds experts [r*E/N, (r+1)*E/N). Count the rows per expert
+    """Exercise 10.6: rank r holds experts [r*E/N, (r+1)*E/N). Count the rows per expert
     (int64, minlength E), exchange the counts with one even all_to_all_single (rank r's
     r-th piece, the counts for its experts, lands at place `rank` on rank r: afterwards
     `counts_in` is [sender][local expert]), sort the rows by expert with a stable sort (so
@@ -176,11 +176,11 @@ def combine(out1, lse1, out2, lse2):
     return out, lse
 
 
-# --- 10.6 the model's state on one GPU of a layout ---
+# --- 10.8 the model's state on one GPU of a layout ---
 
 
 def model_state_bytes(model, layout, gpus):
-    """10.6: the fullest pipeline stage holds ⌈layers / PP⌉ layers and one end (the
+    """10.8: the fullest pipeline stage holds ⌈layers / PP⌉ layers and one end (the
     embedding or the logit layer; with one stage, both and the final norm), split TP ways;
     ZeRO then shards over the DP × CP ranks that hold the same parameters. bf16 weights,
     fp32 gradients (4 bytes: what mixed precision accumulates in), 12 bytes of fp32

@@ -1,6 +1,6 @@
-"""Chapter 10c's exercise: tokens routed to experts with all_to_all_single (10.5).
+"""Chapter 10c's exercise: tokens routed to experts with all_to_all_single (10.6).
 
-10.5 routes tokens to experts with `all_to_all_single`, as a mixture-of-experts layer does
+10.6 routes tokens to experts with `all_to_all_single`, as a mixture-of-experts layer does
 (chapter 10c): each rank has rows of tokens and, for each, the expert it must reach; the
 experts are spread over the ranks in blocks, so the learner derives each row's rank from
 its expert, moves the rows with an uneven all-to-all, and returns what this rank received
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time, show, watching
 
-# --- 10.5 route tokens to experts with all_to_all_single ---
+# --- 10.6 route tokens to experts with all_to_all_single ---
 
 ROUTE_DEADLINE = 5.0
 """Seconds an attempt may take: a few all-to-alls of a few rows take milliseconds."""
@@ -266,7 +266,7 @@ ROUTE_HINT = ("rank r holds experts r·E/N to (r+1)·E/N − 1, so a row's exper
               "where each of this rank's experts' rows lie in it?")
 
 
-@exercise("10.5", "route tokens to experts with all_to_all_single", solution="route_tokens",
+@exercise("10.6", "Route tokens to experts with all_to_all_single", solution="route_tokens",
           hint=ROUTE_HINT)
 def check_route_tokens(route_tokens: Callable) -> str:
     with ranks(3) as pool:

@@ -1,11 +1,11 @@
-"""Chapter 10b's exercises: GPipe's bubble from the schedule (10.3), and 1F1B's order run on
-real ranks (10.4).
+"""Chapter 10b's exercises: GPipe's bubble from the schedule (10.4), and 1F1B's order run on
+real ranks (10.5).
 
-10.3 asks for a GPipe step's bubble on stage 0, in units of time and as a share of the
+10.4 asks for a GPipe step's bubble on stage 0, in units of time and as a share of the
 step, for any times of a forward and a backward and a last stage slower than the others
 (it computes the loss): the check holds the answer against the ideal schedule's
 counts (`ddplab.parallel.pp.ideal`, the dependencies the real messages impose); the chapter
-measures the same bubble on real ranks. 10.4 asks for 1F1B's order of one stage: the check
+measures the same bubble on real ranks. 10.5 asks for 1F1B's order of one stage: the check
 first runs the orders in the ideal schedule (a deadlock named stage by stage, the
 activations each stage holds, the step's length, then 36 exact cases), and only an order
 that passes all of these is confirmed on 4 real ranks with `pp.train_step`.
@@ -19,7 +19,7 @@ from fractions import Fraction
 
 from ddplab.exercises import NotYet, exercise, expect, ranks, run_in_time
 
-# --- 10.3 the bubble, from the schedule ---
+# --- 10.4 the bubble, from the schedule ---
 
 BUBBLE_CASES = ((2, 1, 1, 2, 0), (4, 8, 1, 2, 0), (3, 5, 2, 3, 0), (4, 2, 1, 1, 0),
                 (4, 6, 1, 2, 1), (3, 4, 2, 3, 0.5), (8, 24, 3, 5, 2))
@@ -48,7 +48,7 @@ def _two_numbers(value) -> tuple[float, float] | None:
     return None
 
 
-@exercise("10.3", "The bubble, from the schedule", solution="bubble",
+@exercise("10.4", "The bubble, from the schedule", solution="bubble",
           hint="draw the ideal GPipe schedule for p = 2 or 3: when does the last stage get "
                "its first micro-batch, and when does stage 0 get its first gradient back? "
                "With a slower last stage, when does each of its forwards start?")
@@ -112,7 +112,7 @@ def check_bubble(bubble: Callable) -> str:
             "shrinks.")
 
 
-# --- 10.4 1F1B's order, run on real ranks ---
+# --- 10.5 1F1B's order, run on real ranks ---
 
 ORDER_CASES = [(s, p, m) for p in (2, 3, 4) for m in (1, 2, 3, 6) for s in range(p)]
 """Every stage of pipelines of 2 to 4 stages, with fewer micro-batches than stages (all
@@ -164,7 +164,7 @@ def _most_in_flight(steps: list[str]) -> int:
     return peak
 
 
-@exercise("10.4", "1F1B's order, run on real ranks", solution="one_f_one_b",
+@exercise("10.5", "1F1B's order, run on real ranks", solution="one_f_one_b",
           hint="stage s must send enough forwards ahead to keep the stages after it busy "
                "until the first gradient comes back: how many is that? Then one forward, "
                "one backward; then the backwards left.")

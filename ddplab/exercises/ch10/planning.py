@@ -1,6 +1,6 @@
-"""Chapter 10d's exercises: the two halves of one GPU's memory under a layout (10.6, 10.9).
+"""Chapter 10d's exercises: the two halves of one GPU's memory under a layout (10.8, 10.9).
 
-10.6 asks for the model state (parameters, gradients, optimizer) one GPU holds for a real
+10.8 asks for the model state (parameters, gradients, optimizer) one GPU holds for a real
 model and layout (chapter 10d): the check holds the prediction against `ddplab.planner`'s
 own arithmetic over six layouts, each of which changes what the one before left out (TP,
 uneven pipeline stages, CP inside ZeRO's group, ZeRO's stages), and names the category and
@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 from ddplab.exercises import NotYet, exercise, expect
 
-# --- 10.6 the model's state on one GPU of a layout (chapter 10d) ---
+# --- 10.8 the model's state on one GPU of a layout (chapter 10d) ---
 
 STATE = ("parameters", "gradients", "optimizer")
-"""What exercise 10.6 predicts: a GPU's model state, in bytes (mixed-precision Adam with
+"""What exercise 10.8 predicts: a GPU's model state, in bytes (mixed-precision Adam with
 fp32 gradients: 2 + 4 + 12 bytes a parameter)."""
 
 
@@ -91,7 +91,7 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(abs(b), 1.0)
 
 
-@exercise("10.6", "The model's state on one GPU of a layout",
+@exercise("10.8", "The model's state on one GPU of a layout",
           solution="model_state_bytes",
           hint="per GPU: the fullest pipeline stage's parameters, split by TP, then what the "
                "ZeRO stage shards, over every rank that holds the same parameters.")

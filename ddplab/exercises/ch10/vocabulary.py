@@ -1,7 +1,7 @@
 """Chapter 10a's exercise: the vocabulary-parallel loss, the cross-entropy of logits split by
-class, without gathering them (10.8).
+class, without gathering them (10.3).
 
-10.8 asks for `vocab_parallel_loss(logits, target)`, run on every rank of 4: `logits` is
+10.3 asks for `vocab_parallel_loss(logits, target)`, run on every rank of 4: `logits` is
 this rank's slice of the classes, (tokens, V/4), `target` every token's class; it returns
 the mean cross-entropy, the same on every rank, equal to `F.cross_entropy` of the whole
 logits. The check runs it on 4 real ranks in five cases (ordinary logits; logits near
@@ -30,7 +30,7 @@ VOCAB_DEADLINE = 10.0
 
 
 class Logits(NamedTuple):
-    """One case of 10.8: the whole (tokens, V) logits every rank builds from one seed (then
+    """One case of 10.3: the whole (tokens, V) logits every rank builds from one seed (then
     keeps its own classes of), and the targets."""
 
     what: str
@@ -182,7 +182,7 @@ VOCAB_HINT = ("a token's loss is log Σ exp(logit) over ALL V classes, minus the
               "with which op, gives every rank each of them?")
 
 
-@exercise("10.8", "The vocabulary-parallel loss", solution="vocab_parallel_loss",
+@exercise("10.3", "The vocabulary-parallel loss", solution="vocab_parallel_loss",
           hint=VOCAB_HINT)
 def check_vocab_parallel_loss(vocab_parallel_loss: Callable) -> str:
     _dry_run(vocab_parallel_loss)
