@@ -33,6 +33,9 @@ def test_a_row_per_plan_within_the_page_and_sized_by_rows_not_numbers():
     assert "needs 1222 GiB, has 80" in texts  # the reasons, in words (fp32 gradients included)
     assert "heads 64 not divisible by TP 3" in texts
     assert "TP 8 PP 4 CP 1 DP 2" in texts and "MFU" in texts
+    # each waiting part written out with its time, slivers included (PP's sends, the bubble)
+    waiting = next(t.get_text() for t in fig.axes[0].texts if t.get_text().startswith("waiting:"))
+    assert "TP " in waiting and " · PP " in waiting and " · bubble " in waiting, waiting
 
 
 def test_bad_input_is_named():

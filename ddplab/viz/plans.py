@@ -33,12 +33,13 @@ OVER = "#B00020"
 STEP_PARTS = ("compute", "TP", "CP", "PP", "DP", "bubble")
 """The step's parts in the order drawn: compute, then each parallelism's exposed
 communication, then the bubble."""
-STEP_STYLES = {"compute": (0.3, None), "TP": (0.5, HATCHES["waiting"]),
-               "CP": (0.65, HATCHES["waiting"]), "PP": (0.8, HATCHES["waiting"]),
-               "DP": (1.0, HATCHES["waiting"]), "bubble": (0.97, HATCHES["waiting"])}
+STEP_STYLES = {"compute": (0.3, None), "TP": (0.45, HATCHES["waiting"]),
+               "CP": (0.6, HATCHES["waiting"]), "PP": (0.75, HATCHES["waiting"]),
+               "DP": (0.88, HATCHES["waiting"]), "bubble": (1.0, HATCHES["waiting"])}
 """How each step part is drawn: computing solid; each parallelism's exposed communication
 and the bubble hatched as waiting on other ranks (the kit-wide meaning of that hatch, as in
-every timeline), told apart by their shade."""
+every timeline), told apart by their shade, and each written out with its time under the
+bar (a sliver of a second cannot be told by its shade)."""
 
 
 def step_style(name: str, order: Sequence[str]) -> tuple[float, str | None]:
@@ -48,6 +49,17 @@ GIB = 2**30
 
 def _seconds(t: float) -> str:
     return f"{amount(t)} s" if t >= 1 else f"{amount(t * 1e3)} ms"
+
+
+def _waiting(plan: Mapping) -> str:
+    """A step's waiting parts written out, "waiting: TP 5.2 s · DP 0.2 s · bubble 0.77 s"
+    (the ones that take any time), or "" for a plan with no step."""
+    if not plan.get("time_s"):
+        return ""
+    parts = [(k, v) for k, v in plan.get("exposed_s", {}).items()]
+    parts.append(("bubble", plan["time_s"].get("bubble", 0.0)))
+    shown = [f"{k} {_seconds(v)}" for k, v in parts if v > 0]
+    return "waiting: " + " · ".join(shown) if shown else ""
 
 
 def _check(plan: Mapping, k: int) -> None:
@@ -134,8 +146,9 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     width = max(min(left + mem_w + gap + step_w + right, MAX_WIDTH), title_width(title))
     chars = max(int((width - left - 0.3) / 0.075), 30)
     notes = [textwrap.wrap("; ".join(p.get("reasons", [])), chars) for p in plans]
+    waits = [_waiting(p) for p in plans]
     bar_h, line = 0.3, 0.2
-    pitches = [0.6 + line * len(n) for n in notes]
+    pitches = [0.6 + line * (len(n) + bool(w)) for n, w in zip(notes, waits, strict=True)]
     title_h = 0.45 if title else 0.15
     legend_h = 1.0
     height = title_h + 0.4 + sum(pitches) + legend_h
@@ -154,10 +167,13 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     ax.text(x_step, y, "one step", ha="left", va="bottom", fontsize=FONT,
             fontweight="bold", color="#222222")
     y -= 0.1
-    for p, label, step, note, pitch, step_text in zip(plans, labels, steps, notes, pitches,
-                                                       step_texts, strict=True):
+    for p, label, step, note, pitch, step_text, wait in zip(
+            plans, labels, steps, notes, pitches, step_texts, waits, strict=True):
         y -= pitch
-        top = y + line * len(note)  # the bars, above the reasons
+        top = y + line * (len(note) + bool(wait))  # the bars, above the reasons
+        if wait:
+            ax.text(x_step, top - 0.08 - line * len(note), wait, ha="left", va="top",
+                    fontsize=FONT - 2, color="#333333")
         ax.text(0.3, top + bar_h / 2, label, ha="left", va="center", fontsize=FONT,
                 fontweight="bold", color="#222222")
         for k, text in enumerate(note):
