@@ -88,8 +88,11 @@ def test_a_split_backward_draws_w_and_unit_panels_share_a_scale():
     one = pp.ideal([pp.order("1f1b", s, 2, 2) for s in range(2)], 2)
     fig = viz.show_schedule(zb, one, measured=False)
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert "backward: its weights' gradient (W, lighter)" in legend
-    assert "backward: its input's gradient (B, dark)" in legend
+    assert "backward W: weights' gradient (near-white)" in legend
+    # W's hatching is dark on a light fill, B's white on a dark one: told apart at a glance
+    hatched = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
+    assert {p.get_edgecolor()[:3] == (1.0, 1.0, 1.0) for p in hatched} == {True, False}
+    assert "backward B: input's gradient (dark)" in legend
     # a forward is one unit in both panels: drawn the same width, though the steps differ
     widths = {round(p.get_width(), 6) for p in fig.axes[0].patches
               if isinstance(p, Rectangle) and p.get_facecolor()[3] == 1 and p.get_height() < 0.4

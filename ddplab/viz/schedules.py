@@ -69,8 +69,9 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
                   names: tuple[str, str] = ("measured, in seconds", "ideal, in units of time"),
                   measured: bool = True) -> Figure:
     """A pipeline step, one lane per stage: every micro-batch's forward (light) and backward
-    (hatched: dark, or where the backward is split, its input's gradient B dark and its
-    weights' gradient W lighter, both hatched as backwards), numbered, and the idle time
+    (hatched: dark, or where the backward is split, its input's gradient B dark with white
+    hatching and its weights' gradient W near-white with dark hatching, both hatched as
+    backwards), numbered, and the idle time
     between them (grey, its share at the end).
 
     `events` are measured, in seconds (with `measured=False`: in units of time, as an
@@ -107,10 +108,10 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
     # a legend swatch draws its hatch in its edge colour: dark on the fill, so it shows
     handles = [Patch(fc=tint(grey, 0.6), ec=grey, label="forward of micro-batch k (light)"),
                Patch(fc=tint(grey, 0.15), ec="#111111", hatch=HATCHES["backward"],
-                     label="backward: its input's gradient (B, dark)" if split
+                     label="backward B: input's gradient (dark)" if split
                      else "backward (dark, hatched)"),
-               *([Patch(fc=tint(grey, 0.45), ec="#111111", hatch=HATCHES["backward"],
-                        label="backward: its weights' gradient (W, lighter)")]
+               *([Patch(fc=tint(grey, 0.88), ec="#111111", hatch=HATCHES["backward"],
+                        label="backward W: weights' gradient (near-white)")]
                  if split else []),
                Patch(fc=IDLE, ec="#BBBBBB", label="idle: the bubble")]
     ax.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
@@ -152,11 +153,13 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
         w = max((end - start) * scale, 0.015)
         backward = kind in ("B", "W")  # W: the other half of a split backward
         box = (x(start), y(stage) + 0.05)
-        fill = color if kind == "B" else tint(color, 0.45 if kind == "W" else 0.6)
+        fill = color if kind == "B" else tint(color, 0.88 if kind == "W" else 0.6)
         ax.add_patch(Rectangle(box, w, lane - 0.1, fc=fill, ec="none"))
-        if backward:  # white hatching: it shows on every rank's colour, dark or light
+        if backward:  # B: white hatching on the dark colour; W, the inverse: the rank's
+            # own dark line on a near-white fill, so that B, W and F differ at a glance
             ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, hatch=HATCHES["backward"],
-                                   ec=(1, 1, 1, 0.7), lw=0))
+                                   ec=(1, 1, 1, 0.7) if kind == "B" else line_color(color),
+                                   lw=0))
         ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, ec=line_color(color), lw=0.6))
         text = str(mb)
         if w > 0.09 * len(text) + 0.04:  # only where the number fits
