@@ -60,6 +60,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ddplab.parallel.ep import all_to_all
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -270,29 +272,14 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out
 
 
-def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torch.Tensor:
-    """Cut `x` into N pieces along `split_dim`, send piece j to rank j, and join the pieces
-    received along `cat_dim`, in rank order (one `all_to_all_single`)."""
+def _moved(x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torch.Tensor:
+    """Ulysses' reshuffle: cut `x` into N pieces along `split_dim`, piece j to rank j, and
+    join the pieces received along `cat_dim`, in rank order. One all-to-all, differentiable
+    through `ep.all_to_all` (its backward is the reverse exchange: the pieces come home)."""
     world = dist.get_world_size(group)
-    send = torch.stack(x.chunk(world, dim=split_dim)).contiguous()
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    ones = [1] * world  # one piece to and from every rank
+    received = all_to_all(torch.stack(x.chunk(world, dim=split_dim)), ones, ones, group)
     return torch.cat(received.unbind(0), dim=cat_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-    """Ulysses' reshuffle, differentiable: its backward is the reverse all-to-all (split
-    where the forward joined, join where it split), since the forward only moves pieces."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torch.Tensor:
-        ctx.dims, ctx.group = (split_dim, cat_dim), group
-        return _all_to_all(x, split_dim, cat_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        split_dim, cat_dim = ctx.dims
-        return _all_to_all(grad.contiguous(), cat_dim, split_dim, ctx.group), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -311,9 +298,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             raise ValueError(f"Ulysses splits the heads over the {world} ranks, but {name} "
                              f"has {t.shape[-3]} heads: use a group whose size divides "
                              "the heads (and the KV heads), or ring/all-gather attention")
-    everything = [_AllToAll.apply(t, -3, -2, group) for t in (q, k, v)]  # all tokens, my heads
+    everything = [_moved(t, -3, -2, group) for t in (q, k, v)]  # all tokens, my heads
     out = attention(*everything, causal=causal)
-    return _AllToAll.apply(out, -2, -3, group)                         # my tokens, all heads
+    return _moved(out, -2, -3, group)                         # my tokens, all heads
 
 
 @dataclass(frozen=True)

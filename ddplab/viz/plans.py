@@ -51,14 +51,19 @@ def _seconds(t: float) -> str:
     return f"{amount(t)} s" if t >= 1 else f"{amount(t * 1e3)} ms"
 
 
-def _waiting(plan: Mapping) -> str:
-    """A step's waiting parts written out, "waiting: TP 5.2 s · DP 0.2 s · bubble 0.77 s"
-    (the ones that take any time), or "" for a plan with no step."""
+def _step_parts(plan: Mapping) -> list[tuple[str, float]]:
+    """A step's parts in `STEP_PARTS` order, seconds each: compute, each parallelism's
+    exposed communication, the bubble (none for a plan with no step)."""
     if not plan.get("time_s"):
-        return ""
-    parts = [(k, v) for k, v in plan.get("exposed_s", {}).items()]
-    parts.append(("bubble", plan["time_s"].get("bubble", 0.0)))
-    shown = [f"{k} {_seconds(v)}" for k, v in parts if v > 0]
+        return []
+    return [("compute", plan["time_s"]["compute"]), *plan.get("exposed_s", {}).items(),
+            ("bubble", plan["time_s"]["bubble"])]
+
+
+def _waiting(parts: Sequence[tuple[str, float]]) -> str:
+    """A step's waiting parts written out, "waiting: TP 5.2 s · DP 0.2 s · bubble 0.77 s"
+    (the ones that take any time), or "" if none does."""
+    shown = [f"{k} {_seconds(v)}" for k, v in parts if k != "compute" and v > 0]
     return "waiting: " + " · ".join(shown) if shown else ""
 
 
@@ -146,7 +151,8 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     width = max(min(left + mem_w + gap + step_w + right, MAX_WIDTH), title_width(title))
     chars = max(int((width - left - 0.3) / 0.075), 30)
     notes = [textwrap.wrap("; ".join(p.get("reasons", [])), chars) for p in plans]
-    waits = [_waiting(p) for p in plans]
+    step_parts = [_step_parts(p) for p in plans]
+    waits = [_waiting(parts) for parts in step_parts]
     bar_h, line = 0.3, 0.2
     pitches = [0.6 + line * (len(n) + bool(w)) for n, w in zip(notes, waits, strict=True)]
     title_h = 0.45 if title else 0.15
@@ -167,8 +173,8 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     ax.text(x_step, y, "one step", ha="left", va="bottom", fontsize=FONT,
             fontweight="bold", color="#222222")
     y -= 0.1
-    for p, label, step, note, pitch, step_text, wait in zip(
-            plans, labels, steps, notes, pitches, step_texts, waits, strict=True):
+    for p, label, step, note, pitch, step_text, wait, parts in zip(
+            plans, labels, steps, notes, pitches, step_texts, waits, step_parts, strict=True):
         y -= pitch
         top = y + line * (len(note) + bool(wait))  # the bars, above the reasons
         if wait:
@@ -201,9 +207,6 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
                 f"{amount(total / GIB)} of {amount(capacity / GIB)} GiB", ha="left",
                 va="center", fontsize=FONT - 1, color=OVER if over else "#222222")
         if step:
-            parts = [("compute", p["time_s"]["compute"])]
-            parts += [(k, v) for k, v in p.get("exposed_s", {}).items()]
-            parts.append(("bubble", p["time_s"]["bubble"]))
             end = _parts(ax, x_step, top, bar_h, parts, STEP_PARTS, step_scale, PREDICTED,
                          step_style, named=True)
             ax.text(end + 0.08, top + bar_h / 2, step_text, ha="left", va="center",

@@ -8,8 +8,8 @@ the rule that differ. 10.9 asks for the other half, the activations one layer sa
 backward: Korthikanti et al.'s table for GPT-3, then each change a Llama layer and a layout
 make (grouped-query attention, SwiGLU, no dropout, TP with and without sequence
 parallelism, selective and full recomputation), against the planner's
-`Transformer.activation_bytes`; a known mistake is named by recomputing the formula with
-it (`_activations`).
+`Transformer.activation_bytes`; a known mistake is named by feeding that formula the
+mistaken input (`_activations`).
 """
 
 from __future__ import annotations
@@ -109,9 +109,8 @@ def check_model_state_bytes(model_state_bytes: Callable) -> str:
         for category in STATE:
             if _same(float(got[category]), want[category]):
                 continue
-            hint = next((why for mistake, why in MISTAKES.items()
-                         if _same(float(got[category]),
-                                  _variant(name, gpus, fields, mistake)[category])), "")
+            hint = _named(got[category], MISTAKES, {
+                mistake: _variant(name, gpus, fields, mistake)[category] for mistake in MISTAKES})
             raise NotYet(f"{where}, you predicted {got[category]:,.0f} bytes of {category} "
                          f"per GPU; the planner says {want[category]:,.0f}.", hint)
     return (f"your model state matches the planner's in all {len(_cases())} layouts: TP, "
@@ -136,23 +135,29 @@ def _activation_cases() -> list[tuple[str, int, bool, str, int]]:
 
 def _activations(m, tp: int, sp: bool, recompute: str, micro_batch: int,
                  mistake: str = "") -> float:
-    """Korthikanti et al.'s bytes, generalised as chapter 10d states, or what `mistake`
-    makes of them (to name it in the hint)."""
-    s, b, h = m.seq, micro_batch, m.hidden
-    whole = tp if (not sp and mistake != "sp ignored") else 1  # the norms' regions' divisor
-    if recompute == "full":
-        if mistake == "full whole":
-            return 2 * s * b * h
-        return 2 * s * b * h / (1 if whole > 1 else tp)
-    r = 1 if mistake == "no gqa" else m.kv_heads / m.heads
-    mask = 1 if mistake == "masks" else int(m.dropout)
-    gated = m.gated and mistake != "ungated"
-    norms = 4 + 2 + 2 + 2 * mask
-    split = 2 + 4 * r + 2 + 2 * (3 if gated else 2) * m.ffn / h
-    saved = s * b * h * (norms * whole + split) / tp
-    if recompute == "none" or mistake == "scores kept":
-        saved += (2 + 3 * mask) * m.heads * s * s * b / tp
-    return saved * (2 if mistake == "fp32" else 1)
+    """The planner's bytes (`Transformer.activation_bytes`), or what `mistake` makes of
+    them, each mistake a changed input to that one formula (to name it in the hint)."""
+    from dataclasses import replace
+
+    model = {"no gqa": lambda: replace(m, kv_heads=m.heads),
+             "ungated": lambda: replace(m, gated=False),
+             "masks": lambda: replace(m, dropout=True)}.get(mistake, lambda: m)()
+    if mistake == "sp ignored":
+        sp = True                          # everything divided by TP
+    if mistake == "scores kept" and recompute == "selective":
+        recompute = "none"
+    if mistake == "full whole" and recompute == "full":
+        tp = 1                             # the layer's input, 2sbh, never split
+    fp32 = mistake == "fp32" and recompute != "full"   # 4 bytes an element (the hints
+    # have named it for the layers' saved tensors, not for full recomputation's input)
+    return model.activation_bytes(micro_batch, tp, 1, recompute, sp) * (2 if fp32 else 1)
+
+
+def _named(got: float, mistakes: dict[str, str], values: dict[str, float]) -> str:
+    """The hint of the first known mistake (in `mistakes`' order) whose value, in `values`,
+    `got` is, or "" if none is."""
+    return next((why for mistake, why in mistakes.items()
+                 if _same(float(got), values[mistake])), "")
 
 
 def _terms(m, tp: int, got: float, want: float) -> str:
@@ -205,10 +210,9 @@ def check_layer_activation_bytes(layer_activation_bytes: Callable) -> str:
         want = m.activation_bytes(micro_batch, tp, 1, recompute, sp)
         if _same(float(got), want):
             continue
-        hint = next((why for mistake, why in ACTIVATION_MISTAKES.items()
-                     if _same(float(got), _activations(m, tp, sp, recompute, micro_batch,
-                                                       mistake))), "") or _terms(m, tp, got,
-                                                                                 want)
+        hint = _named(got, ACTIVATION_MISTAKES, {
+            mistake: _activations(m, tp, sp, recompute, micro_batch, mistake)
+            for mistake in ACTIVATION_MISTAKES}) or _terms(m, tp, got, want)
         raise NotYet(f"{where}, you predicted {got:,.0f} bytes a layer; the planner says "
                      f"{want:,.0f} ({got / want:.3g} times as many).", hint)
     return (f"your activations match the planner's in all {len(_activation_cases())} cases: "
