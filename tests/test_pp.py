@@ -8,6 +8,7 @@ real gloo point-to-point messages; nothing mocked.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -331,3 +332,34 @@ def test_stages_cutting_the_batch_differently_end_with_an_error_not_a_hang(pool)
         pool.run(micro_batches_differ_on_rank, ranks=[0, 1], timeout=30)
     assert time.monotonic() - start < 25
     assert pool.run(lambda: 1) == [1, 1, 1, 1]
+
+
+def test_ideal_on_ranks_is_ideal_where_each_rank_holds_one_stage_and_runs_one_step_at_a_time():
+    p, m = 4, 6
+    for schedule in pp.SCHEDULES:
+        orders = [pp.order(schedule, s, p, m) for s in range(p)]
+        torch_style = [[f"{s}{step}" for step in steps] for s, steps in enumerate(orders)]
+        assert pp.ideal_on_ranks(torch_style, p, m) == pp.ideal(orders, m)
+    split = pp.zero_bubble(p, m)
+    torch_style = [[f"{s}{'I' if step[0] == 'B' else step[0]}{step[1:]}" for step in steps]
+                   for s, steps in enumerate(split)]
+    assert pp.ideal_on_ranks(torch_style, p, m) == pp.ideal(split, m)
+    # Interleaved by hand: 2 ranks, stages 0, 2 on rank 0 and 1, 3 on rank 1, one micro-batch:
+    # the forward crosses the ranks twice, the backward twice back, nothing overlaps on a rank
+    orders = [["0F0", "2F0", "2B0", "0B0"], ["1F0", "3F0", "3B0", "1B0"]]
+    events = pp.ideal_on_ranks(orders, 4, 1, forward=0.5, backward=1.0)
+    assert max(e.end for e in events) == 4 * 0.5 + 4 * 1.0
+    for stages in ((0, 2), (1, 3)):                     # rank 0's, then rank 1's
+        mine = sorted((e.start, e.end) for e in events if e.stage in stages)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(mine))
+
+
+def test_ideal_on_ranks_refuses_what_cannot_run_naming_the_rank():
+    with pytest.raises(ValueError, match="'F0' is not a step: write stage, kind, micro-batch"):
+        pp.ideal_on_ranks([["F0"]], 1, 1)
+    with pytest.raises(ValueError, match="rank 0's step '5F0' names stage 5"):
+        pp.ideal_on_ranks([["5F0"]], 2, 1)
+    with pytest.raises(ValueError, match="these orders deadlock: rank 0 waits in B0"):
+        pp.ideal_on_ranks([["0F0", "0B0", "2F0", "2B0"], ["1F0", "1B0"]], 3, 1)
+    with pytest.raises(ValueError, match="0 < weight < backward"):
+        pp.ideal_on_ranks([["0F0", "0B0"]], 1, 1, weight=3.0)

@@ -92,10 +92,36 @@ def test_a_split_backward_draws_w_and_unit_panels_share_a_scale():
     # W's hatching is dark on a light fill, B's white on a dark one: told apart at a glance
     hatched = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
     assert {p.get_edgecolor()[:3] == (1.0, 1.0, 1.0) for p in hatched} == {True, False}
-    assert "backward B: input's gradient (dark)" in legend
+    assert "backward B (dark): input's gradient, or all" in legend
     # a forward is one unit in both panels: drawn the same width, though the steps differ
     widths = {round(p.get_width(), 6) for p in fig.axes[0].patches
               if isinstance(p, Rectangle) and p.get_facecolor()[3] == 1 and p.get_height() < 0.4
               and p.get_fill()}
     assert max(e.end for e in zb) != max(e.end for e in one)
     assert len({w for w in widths if w < 1.0}) <= 2  # F, B and W of 1 unit, 1F1B's B of 2
+
+
+def test_ranks_holding_several_stages_draw_them_side_by_side_with_the_ranks_idle_share():
+    from ddplab.parallel import pp
+
+    # 2 ranks, 4 stages in a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+    orders = [["0F0", "0F1", "3F0", "3B0", "3F1", "3B1", "0B0", "0B1"],
+              ["1F0", "2F0", "1F1", "2F1", "2B0", "1B0", "2B1", "1B1"]]
+    events = pp.ideal_on_ranks(orders, 4, 2, forward=0.5, backward=1.0)
+    fig = viz.show_schedule(events, measured=False, ranks=[0, 1, 1, 0])
+    shown = texts(fig)
+    for stage, rank in ((0, 0), (3, 0), (1, 1), (2, 1)):
+        assert f"stage {stage} · rank {rank}" in shown
+    busy = {0: 0.0, 1: 0.0}
+    for e in events:
+        busy[[0, 1, 1, 0][e.stage]] += e.end - e.start
+    step = max(e.end for e in events)
+    idle = [t for t in shown if t.startswith("idle ")]
+    assert idle == [f"idle {1 - busy[r] / step:.0%}" for r in (0, 1)]   # one a rank
+    # a rank's two lanes are thinner than a lane of its own
+    lanes = {round(p.get_height(), 3) for p in fig.axes[0].patches
+             if isinstance(p, Rectangle) and p.get_facecolor()[:3] == to_rgb(IDLE)}
+    one = viz.show_schedule(gpipe(2, 2), measured=False)
+    alone = {round(p.get_height(), 3) for p in one.axes[0].patches
+             if isinstance(p, Rectangle) and p.get_facecolor()[:3] == to_rgb(IDLE)}
+    assert max(lanes) < min(alone)

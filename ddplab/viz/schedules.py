@@ -77,7 +77,10 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
     `events` are measured, in seconds (with `measured=False`: in units of time, as an
     ideal schedule); `ideal`, if given, is drawn below them in units of time (e.g.
     `pp.ideal(...)`), to compare shapes. `ranks[s]` is the rank running stage s
-    (default: stage s on rank s), whose colour the lane takes.
+    (default: stage s on rank s), whose colour the lane takes; where ranks hold several
+    stages (interleaved and V schedules), a rank's stages are drawn as thinner lanes side
+    by side and the idle share is the rank's (none of its stages running). In an order
+    that splits some backwards, a B with no W after it is a whole backward (DualPipeV's).
     """
     panels = [(names[0], _rows(events), not measured)]
     if ideal is not None:
@@ -90,7 +93,7 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
     lane, left, right = 0.42, 1.45, 0.85
     axis = MAX_WIDTH - left - right
     title_h = 0.45 if title else 0.1
-    panel_h = [0.3 + lane * len(stages) + 0.45 for _ in panels]
+    panel_h = [0.3 + _lanes_height(stages, ranks, lane) + 0.45 for _ in panels]
     legend_h = 0.4
     height = title_h + sum(panel_h) + legend_h
     canvas = Canvas(MAX_WIDTH, height, CELL, title)
@@ -108,7 +111,7 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
     # a legend swatch draws its hatch in its edge colour: dark on the fill, so it shows
     handles = [Patch(fc=tint(grey, 0.6), ec=grey, label="forward of micro-batch k (light)"),
                Patch(fc=tint(grey, 0.15), ec="#111111", hatch=HATCHES["backward"],
-                     label="backward B: input's gradient (dark)" if split
+                     label="backward B (dark): input's gradient, or all" if split
                      else "backward (dark, hatched)"),
                *([Patch(fc=tint(grey, 0.88), ec="#111111", hatch=HATCHES["backward"],
                         label="backward W: weights' gradient (near-white)")]
@@ -118,6 +121,25 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
               fontsize=FONT - 1,
               bbox_to_anchor=(0.0, 0.0), handlelength=1.5, columnspacing=1.2)
     return canvas.fig
+
+
+def _lanes(stages: list[int], ranks: list[int], lane: float) -> dict[int, tuple[float, float]]:
+    """Each stage's lane, (offset of its bottom below the panel's first line, height): one
+    lane a stage, in the order of the stages; where ranks hold several stages (interleaved
+    and V schedules), a rank's stages side by side in thinner lanes, rank after rank."""
+    if len({ranks[s] for s in stages}) == len(stages):
+        return {s: ((k + 1) * lane, lane) for k, s in enumerate(stages)}
+    layout, offset, thin = {}, 0.0, lane * 0.62
+    for rank in sorted({ranks[s] for s in stages}):
+        for s in sorted(s for s in stages if ranks[s] == rank):
+            offset += thin
+            layout[s] = (offset, thin)
+        offset += 0.1  # a gap between ranks
+    return layout
+
+
+def _lanes_height(stages: list[int], ranks: list[int], lane: float) -> float:
+    return max(offset for offset, _ in _lanes(stages, ranks, lane).values())
 
 
 def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
@@ -134,40 +156,44 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
     def x(t: float) -> float:
         return left + (t - t0) * scale
 
-    def y(stage: int) -> float:
-        return first - (stages.index(stage) + 1) * lane
-
-    shares = idle_share(rows)
+    layout = _lanes(stages, ranks, lane)
+    # A rank's idle share: where it holds several stages, while none of them runs
+    shares = idle_share([(ranks[r[0]], *r[1:]) for r in rows])
     for stage in stages:
+        offset, height = layout[stage]
         color = rank_color(ranks[stage])
-        ax.add_patch(Rectangle((left, y(stage) + 0.05), (t1 - t0) * scale, lane - 0.1, fc=IDLE,
-                               ec="none"))
-        ax.text(left - 0.1, y(stage) + lane / 2, f"stage {stage} · rank {ranks[stage]}",
-                ha="right", va="center", fontsize=FONT, fontweight="bold",
-                color=text_color(color))
-        if stage in shares:
-            ax.text(left + axis + 0.08, y(stage) + lane / 2, f"idle {shares[stage]:.0%}",
+        ax.add_patch(Rectangle((left, first - offset + 0.05), (t1 - t0) * scale, height - 0.1,
+                               fc=IDLE, ec="none"))
+        ax.text(left - 0.1, first - offset + height / 2, f"stage {stage} · rank {ranks[stage]}",
+                ha="right", va="center", fontsize=FONT if height == lane else FONT - 1,
+                fontweight="bold", color=text_color(color))
+    for rank in sorted({ranks[s] for s in stages}):
+        mine = [layout[s] for s in stages if ranks[s] == rank]
+        middle = (min(o - h for o, h in mine) + max(o for o, _ in mine)) / 2
+        if rank in shares:
+            ax.text(left + axis + 0.08, first - middle, f"idle {shares[rank]:.0%}",
                     ha="left", va="center", fontsize=FONT - 1, color="#444444")
     for stage, kind, mb, start, end in rows:
+        offset, height = layout[stage]
         color = rank_color(ranks[stage])
         w = max((end - start) * scale, 0.015)
         backward = kind in ("B", "W")  # W: the other half of a split backward
-        box = (x(start), y(stage) + 0.05)
+        box = (x(start), first - offset + 0.05)
         fill = color if kind == "B" else tint(color, 0.88 if kind == "W" else 0.6)
-        ax.add_patch(Rectangle(box, w, lane - 0.1, fc=fill, ec="none"))
+        ax.add_patch(Rectangle(box, w, height - 0.1, fc=fill, ec="none"))
         if backward:  # B: white hatching on the dark colour; W, the inverse: the rank's
             # own dark line on a near-white fill, so that B, W and F differ at a glance
-            ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, hatch=HATCHES["backward"],
+            ax.add_patch(Rectangle(box, w, height - 0.1, fill=False, hatch=HATCHES["backward"],
                                    ec=(1, 1, 1, 0.7) if kind == "B" else line_color(color),
                                    lw=0))
-        ax.add_patch(Rectangle(box, w, lane - 0.1, fill=False, ec=line_color(color), lw=0.6))
+        ax.add_patch(Rectangle(box, w, height - 0.1, fill=False, ec=line_color(color), lw=0.6))
         text = str(mb)
         if w > 0.09 * len(text) + 0.04:  # only where the number fits
-            ax.text(x(start) + w / 2, y(stage) + lane / 2, text, ha="center", va="center",
-                    fontsize=FONT - 1 if w > 0.18 else FONT - 3,
+            ax.text(x(start) + w / 2, first - offset + height / 2, text, ha="center",
+                    va="center", fontsize=FONT - 1 if w > 0.18 else FONT - 3,
                     bbox={"fc": "white", "ec": "none", "alpha": 0.8, "pad": 0.6}
                     if kind != "F" else None)
-    base = first - lane * len(stages) - 0.03
+    base = first - _lanes_height(stages, ranks, lane) - 0.03
     if units:
         ax.plot([left, x(t1)], [base, base], color="#555555", lw=0.8)
         step = max(1, round((span or t1 - t0) / 12))
