@@ -101,6 +101,12 @@ def test_activations_in_flight_gpipe_holds_m_1f1b_at_most_p(pool):
     # stage 0 of 2 layers: a micro-batch of 4 rows saves the Linear's input and the Tanh's
     # output, 2 × 4 × 12 floats (the weights it saves are parameters, not counted)
     assert one[0]["record"].peak_bytes == 4 * (2 * 4 * WIDTH * 4)
+    # The messages' buffers too: a send is waited for when its stage next hears from the
+    # same neighbour, so 1F1B holds p − s messages at most, whatever m, and GPipe m
+    for s in range(p):
+        assert gpipe[s]["record"].peak_sends == m
+        assert one[s]["record"].peak_sends == p - s
+        assert one[s]["record"].peak_send_bytes == (p - s) * 4 * WIDTH * 4  # 4 rows of 12
 
 
 def saved_by_the_caller_on_rank(count_saved: bool) -> dict:

@@ -544,6 +544,9 @@ def test_show_overlap_names_every_span_and_its_size_does_not_follow_the_timings(
             assert shown.count(label) == 2, label  # once per rank, fitting or not
         assert fig.get_figwidth() <= 10.0
     assert short.get_size_inches() == pytest.approx(long.get_size_inches())
+    # a collective's own lane is not the rank waiting: the rank may compute meanwhile
+    legend = [t.get_text() for t in short.axes[0].get_legend().get_texts()]
+    assert legend[1].startswith("a collective in flight, waiting on other ranks (hatched")
     with pytest.raises(ValueError, match="no spans"):
         viz.show_overlap([])
 @pytest.mark.parametrize("draw", [

@@ -125,3 +125,15 @@ def test_ranks_holding_several_stages_draw_them_side_by_side_with_the_ranks_idle
     alone = {round(p.get_height(), 3) for p in one.axes[0].patches
              if isinstance(p, Rectangle) and p.get_facecolor()[:3] == to_rgb(IDLE)}
     assert max(lanes) < min(alone)
+    # grey only where the rank is idle, the same stretches on both of its lanes: their
+    # widths add up to the rank's idle share of the axis
+    grey = [p for p in fig.axes[0].patches
+            if isinstance(p, Rectangle) and p.get_facecolor()[:3] == to_rgb(IDLE)]
+    boxes = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_fill()
+             and p not in grey]
+    axis = max(p.get_x() + p.get_width() for p in boxes) - min(p.get_x() for p in boxes)
+    by_lane: dict[float, float] = {}
+    for p in grey:
+        by_lane[round(p.get_y(), 3)] = by_lane.get(round(p.get_y(), 3), 0.0) + p.get_width()
+    assert sorted(round(w / axis, 3) for w in by_lane.values()) == sorted(
+        round(1 - busy[r] / step, 3) for r in (0, 0, 1, 1))

@@ -66,7 +66,9 @@ __all__ = ["SCHEDULES", "Event", "FixedTime", "StageTimeout", "StepRecord", "bub
 @dataclass
 class StepRecord:
     """What one stage did in one step: its events in order, the most micro-batches whose
-    activations it held at once and their bytes, and (last stage) the step's loss."""
+    activations it held at once and their bytes, the most messages it had sent and not yet
+    seen received (their buffers held meanwhile) and their bytes, and (last stage) the
+    step's loss."""
 
     stage: int
     stages: int
@@ -74,6 +76,8 @@ class StepRecord:
     events: list[Event] = field(default_factory=list)
     peak_in_flight: int = 0
     peak_bytes: int = 0
+    peak_sends: int = 0
+    peak_send_bytes: int = 0
     loss: float | None = None
 
 
@@ -221,9 +225,19 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
     record = StepRecord(s, p, steps)
     tapes: dict[int, list[list]] = {}  # mb -> [layer, its input, its output's gradient]
     held: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # mb -> (input, output, bytes)
-    sends: list[tuple] = []  # (work, peer, what, mb, tensor): kept alive until the step's end
+    # Sends not yet waited for: (work, peer, what, mb, tensor). gloo keeps a sent tensor
+    # until its send is waited for, so each is waited for as soon as this stage next hears
+    # from the same neighbour (see `receive`), not at the step's end: a step of m
+    # micro-batches would otherwise hold all m messages' buffers, whatever the schedule.
+    sends: list[tuple] = []
     in_bytes = 0
     losses = []
+
+    def send(tensor: torch.Tensor, peer: int, what: str, mb: int) -> None:
+        sends.append((dist.isend(tensor, group=group, group_dst=peer), peer, what, mb, tensor))
+        record.peak_sends = max(record.peak_sends, len(sends))
+        record.peak_send_bytes = max(record.peak_send_bytes, sum(
+            t.numel() * t.element_size() for *_, t in sends))
 
     def finish(work: dist.Work, peer: int, what: str, mb: int, sending: bool = False) -> None:
         began = time.monotonic()
@@ -239,7 +253,15 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
     def receive(source: int, what: str, mb: int) -> torch.Tensor:
         buffer = torch.empty(*shape, dtype=dtype)
         # the group's ranks are the stages: group_src is a stage number
-        finish(dist.irecv(buffer, group=group, group_src=source), source, what, mb)
+        work = dist.irecv(buffer, group=group, group_src=source)
+        # The receive is posted first, then this stage's earlier sends to the same
+        # neighbour are waited for (torch's schedules fuse a send with the next receive
+        # the same way): the neighbour may itself be waiting for its send to us, which our
+        # posted receive completes, and it has taken or will take ours in order.
+        for pending in [x for x in sends if x[1] == source]:
+            finish(*pending[:4], sending=True)
+            sends.remove(pending)
+        finish(work, source, what, mb)
         return buffer
 
     for kind, mb in plan:
@@ -267,8 +289,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             if last:
                 losses.append(y.detach())
             else:
-                sends.append((dist.isend(y.detach(), group=group, group_dst=s + 1), s + 1,
-                              "activations", mb, y))
+                send(y.detach(), s + 1, "activations", mb)
             held[mb] = (x, y, sum(nbytes for _, nbytes in saved))
             in_bytes += held[mb][2]
             record.peak_in_flight = max(record.peak_in_flight, len(held))
@@ -281,8 +302,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             end = clock()
             in_bytes -= nbytes
             if not first:
-                sends.append((dist.isend(x.grad, group=group, group_dst=s - 1), s - 1,
-                              "gradient", mb, x.grad))
+                send(x.grad, s - 1, "gradient", mb)
         elif kind == "B":  # the input's gradient only; each layer's output gradient taped
             grad = None if last else receive(s + 1, "gradient", mb)
             x, y, _ = held[mb]
@@ -294,8 +314,7 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             for entry in tapes[mb]:
                 entry[2] = None  # the outputs are no longer needed; their gradients are
             if not first:
-                sends.append((dist.isend(dx, group=group, group_dst=s - 1), s - 1,
-                              "gradient", mb, dx))
+                send(dx, s - 1, "gradient", mb)
         else:  # W: each layer's weight gradient from its input and its output's gradient
             start = clock()
             for layer, inp, _, grad_out in tapes.pop(mb):

@@ -14,9 +14,10 @@ output. Two kinds of rectangle, told apart by their frame:
   positions.
 
 Colour always means a rank: a rank's slice is its colour, a partial sum (this rank's
-share of a total, Partial() in DTensor's words) its colour hatched with dashes (---).
+share of a total, Partial() in DTensor's words) its colour hatched with horizontal lines
+(---).
 Values that belong to no single rank are neutral: plain grey is the same on every rank,
-grey hatched with plus signs (+++) is summed over every rank, white is what other ranks
+grey hatched with a grid (+++) is summed over every rank, white is what other ranks
 hold. With `sequence_parallel=True` the input and output are this rank's positions of the
 sequence only (LayerNorm and dropout run there), an all-gather brings the whole sequence
 in and a reduce-scatter sums and splits it out, in place of tensor parallelism's
@@ -163,10 +164,12 @@ def show_tp_flow(world_size: int = 2, *, sequence_parallel: bool = False,
                          "in: shorten the title")
     title_h = 0.45 if title else 0.15
     entries = [(r, f"rank {r}'s slice") for r in range(n)]
-    entries += [("same", "grey: the same on every rank"), ("partial", "dashes: a partial sum"),
-                ("summed", "plus signs: summed over every rank"
+    entries += [("same", "grey: the same on every rank"),
+                ("partial", "horizontal lines: a partial sum"),
+                ("summed", "a grid: summed over every rank"
                  + (", this rank's positions" if sp else "")),
-                ("weight", "dashed: a weight, Wᵀ (in × out)"), ("other", "white: other ranks'")]
+                ("weight", "dashed outline: a weight, Wᵀ (in × out)"),
+                ("other", "white: other ranks'")]
     legend = legend_rows(entries, width)
     height = title_h + head + n * row_h + 0.15 + 0.28 * len(legend) + 0.15
     canvas = Canvas(width, height, CELL, title)

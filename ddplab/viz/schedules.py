@@ -138,6 +138,18 @@ def _lanes(stages: list[int], ranks: list[int], lane: float) -> dict[int, tuple[
     return layout
 
 
+def _idle_spans(rows: list[Row], ranks: list[int], rank: int, t0: float,
+                t1: float) -> list[tuple[float, float]]:
+    """The stretches of [t0, t1] in which none of `rank`'s stages runs."""
+    busy = sorted((r[3], r[4]) for r in rows if ranks[r[0]] == rank)
+    spans, at = [], t0
+    for start, end in busy:
+        if start > at:
+            spans.append((at, start))
+        at = max(at, end)
+    return spans + ([(at, t1)] if at < t1 else [])
+
+
 def _lanes_height(stages: list[int], ranks: list[int], lane: float) -> float:
     return max(offset for offset, _ in _lanes(stages, ranks, lane).values())
 
@@ -159,11 +171,16 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
     layout = _lanes(stages, ranks, lane)
     # A rank's idle share: where it holds several stages, while none of them runs
     shares = idle_share([(ranks[r[0]], *r[1:]) for r in rows])
+    grouped = any(height != lane for _, height in layout.values())
     for stage in stages:
         offset, height = layout[stage]
         color = rank_color(ranks[stage])
-        ax.add_patch(Rectangle((left, first - offset + 0.05), (t1 - t0) * scale, height - 0.1,
-                               fc=IDLE, ec="none"))
+        # Grey where the stage's rank is idle: the whole lane, or, on a rank holding several
+        # stages, only where none of them runs (a stage's empty lane is not idle time then)
+        for a, b in (_idle_spans(rows, ranks, ranks[stage], t0, t1) if grouped
+                     else [(t0, t1)]):
+            ax.add_patch(Rectangle((x(a), first - offset + 0.05), (b - a) * scale,
+                                   height - 0.1, fc=IDLE, ec="none"))
         ax.text(left - 0.1, first - offset + height / 2, f"stage {stage} · rank {ranks[stage]}",
                 ha="right", va="center", fontsize=FONT if height == lane else FONT - 1,
                 fontweight="bold", color=text_color(color))
@@ -190,7 +207,8 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
         text = str(mb)
         if w > 0.09 * len(text) + 0.04:  # only where the number fits
             ax.text(x(start) + w / 2, first - offset + height / 2, text, ha="center",
-                    va="center", fontsize=FONT - 1 if w > 0.18 else FONT - 3,
+                    va="center", fontsize=FONT - 1 if w > 0.18 or (grouped and w > 0.13)
+                    else FONT - 3,
                     bbox={"fc": "white", "ec": "none", "alpha": 0.8, "pad": 0.6}
                     if kind != "F" else None)
     base = first - _lanes_height(stages, ranks, lane) - 0.03

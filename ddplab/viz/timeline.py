@@ -167,11 +167,14 @@ def show_timeline(spans: Sequence[Span], marks: Sequence[tuple[int | None, float
     return canvas.fig
 
 
-def _legend() -> list[Patch]:
-    """Solid and hatched, said once for every timeline: one hatch, one meaning."""
+def _legend(waiting: str = "waiting on other ranks, in a collective or a transfer "
+                           "(hatched)") -> list[Patch]:
+    """Solid and hatched, said once for every timeline: one hatch, one meaning (where a
+    collective has a lane of its own, its span is the collective's, and the rank may
+    compute meanwhile: the legend says so)."""
     return [Patch(fc=tint("#777777", 0.35), ec="#777777", label="computing (solid)"),
             Patch(fc=tint("#777777", 0.8), ec="#777777", hatch=HATCHES["waiting"],
-                  label="waiting on other ranks, in a collective or a transfer (hatched)")]
+                  label=waiting)]
 
 
 def show_flight(records: Iterable, *, last: int = 5, title: str | None = None) -> Figure:
@@ -361,7 +364,9 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None,
             ax.plot([middle, at + w / 2], [edge, text_y + (-0.08 if above else 0.08)],
                     color="#777777", lw=0.7)
     time_axis(ax, x, t0, t1, left, axis, y + 0.1)
-    ax.legend(handles=_legend(), loc="lower left", ncol=2, frameon=False, fontsize=FONT - 1,
+    ax.legend(handles=_legend("a collective in flight, waiting on other ranks (hatched: its "
+                              "own lane, the rank free to compute meanwhile)"),
+              loc="lower left", ncol=2, frameon=False, fontsize=FONT - 1,
               bbox_to_anchor=(0.02, 0.0), handlelength=1.5, columnspacing=1.5)
     return canvas.fig
 
