@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from processes import running
 
 from ddplab.exercises import Feedback, NotYet, check
 
@@ -120,7 +121,6 @@ def _check(name: str) -> tuple[Feedback, object]:
     """check("5.4", ...) on the script `name` (the solution for "solution"), under real
     torchrun: its verdict and the probed run it judged. Nothing the check started may
     outlive it."""
-    import psutil
 
     from ddplab.exercises.ch05 import script as ch05_script
 
@@ -137,8 +137,7 @@ def _check(name: str) -> tuple[Feedback, object]:
     for _, run in runs:  # the reference run too, when this check was the first to need it
         for rank, events in run.traces.items():
             pid = events[0]["pid"]
-            assert not psutil.pid_exists(pid) or \
-                psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, (name, rank, pid)
+            assert not running(pid), (name, rank, pid)
     # The script's run: the reference, when this check made it, may come before or after.
     return feedback, next(run for target, run in runs if target[:2] != ["-m", "ddplab.train"])
 

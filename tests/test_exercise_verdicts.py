@@ -1685,20 +1685,22 @@ def _swiglu_sp_nothing_sharded(model, mesh):
     """10.2, not started: the block left whole on every rank."""
 
 
-def _swiglu_sp_plain_tp(model, mesh):
-    """10.2, wrong: the chapter's TP plan, as if every rank held every position."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+def _paired_rows(model, mesh):
+    """10.2's first step, right: w13's rows reordered, rank r's block its gate slice, then
+    the same slice of the up projection."""
+    import torch
 
-    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                                     "w2": RowwiseParallel()})
+    n, hidden = mesh.size(), model.w2.in_features
+    h = hidden // n
+    order = torch.cat([torch.cat([torch.arange(r * h, (r + 1) * h),
+                                  torch.arange(hidden + r * h, hidden + (r + 1) * h)])
+                       for r in range(n)])
+    with torch.no_grad():
+        model.w13.weight.copy_(model.w13.weight[order])
+        model.w13.bias.copy_(model.w13.bias[order])
 
 
-def _swiglu_sp_each_gathers(model, mesh):
-    """10.2, wasteful: w1 and w3 each told their input is Shard(1): two all-gathers."""
+def _swiglu_plan(model, mesh, w13=None, w2=None):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -1706,13 +1708,52 @@ def _swiglu_sp_each_gathers(model, mesh):
         parallelize_module,
     )
 
-    parallelize_module(model, mesh, {"w1": ColwiseParallel(input_layouts=Shard(1)),
-                                     "w3": ColwiseParallel(input_layouts=Shard(1)),
-                                     "w2": RowwiseParallel(output_layouts=Shard(1))})
+    parallelize_module(model, mesh, {
+        "w13": w13 or ColwiseParallel(input_layouts=Shard(1)),
+        "w2": w2 or RowwiseParallel(output_layouts=Shard(1))})
 
 
-def _swiglu_sp_whole_output(model, mesh):
-    """10.2, half done: the positions gathered once, but w2's sums left whole everywhere."""
+def _swiglu_sp_plain_tp(model, mesh):
+    """10.2, wrong: the chapter's TP plan, as if every rank held every position."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    _paired_rows(model, mesh)
+    _swiglu_plan(model, mesh, ColwiseParallel(), RowwiseParallel())
+
+
+def _swiglu_sp_rows_as_stored(model, mesh):
+    """10.2, silently wrong: the plan is right, but w13 is cut as it is stored."""
+    _swiglu_plan(model, mesh)
+
+
+def _swiglu_sp_rows_halved(model, mesh):
+    """10.2, wrong: the rows moved, but into the wrong pairs (the up rows first)."""
+    import torch
+
+    hidden = model.w2.in_features
+    with torch.no_grad():
+        model.w13.weight.copy_(model.w13.weight.roll(hidden, dims=0))
+        model.w13.bias.copy_(model.w13.bias.roll(hidden, dims=0))
+    _swiglu_plan(model, mesh)
+
+
+def _swiglu_sp_rows_changed(model, mesh):
+    """10.2, wrong: w13 initialised again instead of reordered."""
+    import torch
+
+    with torch.no_grad():
+        model.w13.weight.normal_()
+    _swiglu_plan(model, mesh)
+
+
+def _swiglu_sp_split_layers(model, mesh):
+    """10.2, right numbers, wrong block: w13 split into two layers (and the forward patched):
+    a checkpoint of the block no longer loads."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -1721,53 +1762,55 @@ def _swiglu_sp_whole_output(model, mesh):
         parallelize_module,
     )
 
+    hidden = model.w2.in_features
+    model.w1, model.w3 = nn.Linear(8, hidden), nn.Linear(8, hidden)
+    with torch.no_grad():
+        for layer, rows in ((model.w1, slice(0, hidden)), (model.w3, slice(hidden, None))):
+            layer.weight.copy_(model.w13.weight[rows])
+            layer.bias.copy_(model.w13.bias[rows])
+    del model.w13
+    model.forward = types.MethodType(
+        lambda self, x: self.w2(F.silu(self.w1(x)) * self.w3(x)), model)
     parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                                     "w2": RowwiseParallel()})
+                                     "w2": RowwiseParallel(output_layouts=Shard(1))})
     parallelize_module(model, mesh, PrepareModuleInput(input_layouts=Shard(1),
                                                        desired_input_layouts=Replicate(),
                                                        use_local_output=False))
+
+
+def _swiglu_sp_whole_output(model, mesh):
+    """10.2, half done: the positions gathered once, but w2's sums left whole everywhere."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    _paired_rows(model, mesh)
+    _swiglu_plan(model, mesh, w2=RowwiseParallel())
 
 
 def _swiglu_sp_w2_cut(model, mesh):
     """10.2, wrong: w2 told its input is sharded, but cut column-wise: its output is a
     slice of the features."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        parallelize_module,
-    )
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                                     "w2": ColwiseParallel(input_layouts=Shard(-1))})
-    parallelize_module(model, mesh, PrepareModuleInput(input_layouts=Shard(1),
-                                                       desired_input_layouts=Replicate(),
-                                                       use_local_output=False))
+    _paired_rows(model, mesh)
+    _swiglu_plan(model, mesh, w2=ColwiseParallel(input_layouts=Shard(-1)))
 
 
 def _swiglu_sp_all_colwise(model, mesh):
     """10.2, wrong: every layer column-wise: w2 meets a slice where it expects the whole."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    parallelize_module(model, mesh, {name: ColwiseParallel() for name in ("w1", "w2", "w3")})
+    parallelize_module(model, mesh, {name: ColwiseParallel() for name in ("w13", "w2")})
 
 
 def _swiglu_sp_output_dtensor(model, mesh):
     """10.2, wrong: the block hands a DTensor to whatever comes next."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
 
-    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                                     "w2": RowwiseParallel(output_layouts=Shard(1),
-                                                           use_local_output=False)})
-    parallelize_module(model, mesh, PrepareModuleInput(input_layouts=Shard(1),
-                                                       desired_input_layouts=Replicate(),
-                                                       use_local_output=False))
+    _paired_rows(model, mesh)
+    _swiglu_plan(model, mesh,
+                 w2=RowwiseParallel(output_layouts=Shard(1), use_local_output=False))
 
 
 def _vocab_with(logits, target, *, gather=False, peak_op="max", reduce_total=True,
@@ -1896,8 +1939,14 @@ CHAPTER_10A = [
     ("10.2", _swiglu_sp_nothing_sharded, "no parameter was sharded", "ParallelStyle"),
     ("10.2", _swiglu_sp_plain_tp, "rank 0's output differs from the unsharded block's by up "
      "to", "Shard(1)"),
-    ("10.2", _swiglu_sp_each_gathers, "the values are right, but the forward ran 2 × "
-     "all_gather_into_tensor", "gather once"),
+    ("10.2", _swiglu_sp_rows_as_stored, "rank 0's output differs from the unsharded "
+     "block's by up to", "reorder w13's rows"),
+    ("10.2", _swiglu_sp_rows_halved, "rank 0's output differs from the unsharded block's by "
+     "up to", "gate rows r·h"),
+    ("10.2", _swiglu_sp_rows_changed, "w13's rows are no longer the block's rows in another "
+     "order", "change no value"),
+    ("10.2", _swiglu_sp_split_layers, "the block's parameters are now w1.bias, w1.weight",
+     "in place"),
     ("10.2", _swiglu_sp_whole_output, "rank 0's output is (2, 4, 8): all 4 positions",
      "which placement"),
     ("10.2", _swiglu_sp_w2_cut, "rank 0's output is (2, 4, 4), a slice of the features",

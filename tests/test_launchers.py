@@ -38,6 +38,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from processes import running as still_running
 
 from ddplab import slurm as local_slurm
 from ddplab.data import save_subset
@@ -409,8 +410,7 @@ def test_a_stopped_local_slurm_leaves_no_process_and_no_directory(tmp_path):
                 os.killpg(step.pid, signal.SIGKILL)
                 step.wait()
                 pytest.fail("srun did not end when the cluster stopped")
-    left = [f"{p.pid} {p.info['name']}" for p in running
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = [f"{p.pid} {p.info['name']}" for p in running if still_running(p)]
     assert not left, f"still running after stop(): {left}"
     assert not slurm_processes(cluster.directory)
     assert not cluster.directory.exists()

@@ -18,6 +18,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from processes import running
 
 from ddplab import Pool, RankError, RankTimeout
 from ddplab.pool.kernel import forkserver
@@ -27,8 +28,7 @@ def gone(pids, within: float = 5.0) -> bool:
     """True once none of these processes exists (zombies count as gone)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if running(p)]
         if not alive:
             return True
         time.sleep(0.05)

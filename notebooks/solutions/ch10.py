@@ -57,28 +57,36 @@ def column_parallel_gathered(x, weight, bias):
     return _GatherOut.apply(part)
 
 
-# --- 10.2 a SwiGLU block with sequence parallelism ---
+# --- 10.2 a fused SwiGLU block with sequence parallelism ---
 
 
 def parallelize_swiglu_sp(model, mesh):
-    """Exercise 10.2: the block's input, each rank's positions (Shard(1)), all-gathered ONCE
-    into a Replicate() DTensor that w1 and w3 share (so in backward their gradients for it
-    are added as Partial before the one reduce-scatter); w1 and w3 column-wise (silu and
-    the product stay local); w2 row-wise, its partial sums reduce-scattered along the
-    sequence (Shard(1)), each rank keeping its positions."""
-    from torch.distributed.tensor import Replicate, Shard
+    """Exercise 10.2: w13 stores [gate; up]; a column-wise cut of it as stored gives rank 0
+    the gate's rows and rank 1 the up projection's. So first its rows are reordered in
+    place, weight and bias alike, so that rank r's contiguous block is its slice of the gate
+    followed by the same slice of the up projection: its chunk(2) is then a gate and an up
+    of the same hidden features, the ones its slice of w2 (row-wise) expects. w13 is the
+    block's only column-wise layer, so telling it that its input arrives cut along the
+    sequence (Shard(1)) gathers the positions once; w2's partial sums are reduce-scattered
+    along the sequence (Shard(1)), each rank keeping its positions."""
+    import torch
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         RowwiseParallel,
         parallelize_module,
     )
 
-    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+    n, hidden = mesh.size(), model.w2.in_features
+    h = hidden // n
+    order = torch.cat([torch.cat([torch.arange(r * h, (r + 1) * h),            # gate slice r
+                                  torch.arange(hidden + r * h, hidden + (r + 1) * h)])  # up
+                       for r in range(n)])
+    with torch.no_grad():
+        model.w13.weight.copy_(model.w13.weight[order])
+        model.w13.bias.copy_(model.w13.bias[order])
+    parallelize_module(model, mesh, {"w13": ColwiseParallel(input_layouts=Shard(1)),
                                      "w2": RowwiseParallel(output_layouts=Shard(1))})
-    parallelize_module(model, mesh, PrepareModuleInput(input_layouts=Shard(1),
-                                                       desired_input_layouts=Replicate(),
-                                                       use_local_output=False))
 
 
 # --- 10.3 the vocabulary-parallel loss ---

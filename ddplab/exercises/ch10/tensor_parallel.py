@@ -8,11 +8,15 @@ layer: no gather (the rank's slice handed on), a gather autograd cannot see thro
 backward that sums the output's gradient (N times too much), no sum of x's gradient (each
 rank's share of it only), an input or weight cut off from autograd, and a slice of the
 weight that is not the rank's (or all of it) each get their own verdict. 10.2 holds the
-learner's plan for a SwiGLU feed-forward block (Llama's) with sequence parallelism, its
-input arriving as each rank's positions, against the unsharded block on 2 ranks: every
-rank's output, input gradient and weight gradients, and the collectives of its forward
-and of its backward counted with torch's CommDebugMode: exactly one all-gather and one
-reduce-scatter each way.
+learner's plan for a SwiGLU feed-forward block whose gate and up projections are stored as
+ONE matrix, `w13` (Phi-3's `gate_up_proj`, vLLM's `MergedColumnParallelLinear`), with
+sequence parallelism, its input arriving as each rank's positions, against the unsharded
+block on 2 ranks: every rank's output, input gradient and weight gradients (w13's rows may
+be moved, not changed: its gradient is compared row for row where each row went), and the
+collectives of its forward and of its backward counted with torch's CommDebugMode:
+exactly one all-gather and one reduce-scatter each way. Cut as it is stored, w13 gives
+rank 0 the gate's rows and rank 1 the up projection's, and the block computes silently
+wrong numbers: that case has its own verdict.
 """
 
 from __future__ import annotations
@@ -263,7 +267,8 @@ def _check_col_case(pool, attempt: Callable, batch: int, n_in: int, n_out: int) 
                "columns); x's gradient needs one sum.")
 
 
-# --- 10.2 a SwiGLU block with sequence parallelism: one all-gather, one reduce-scatter ---
+# --- 10.2 a fused SwiGLU block with sequence parallelism: rows paired, one all-gather, one
+# reduce-scatter ---
 
 PLAN_WORLD = 2
 DIM, HIDDEN = 8, 16
@@ -273,28 +278,31 @@ NOTHING_SHARDED = (
     "no parameter was sharded: every rank holds the whole block and runs it on its own "
     "positions. The values are right (the block acts on each position alone), but nothing "
     "is split: no memory saved, and this is not tensor parallelism.",
-    "parallelize_module(model, mesh, ...) with a ParallelStyle for each of w1, w2 and w3.")
+    "parallelize_module(model, mesh, ...) with a ParallelStyle for each of w13 and w2.")
 
 
 def swiglu_block():
-    """Llama's feed-forward block: w2(silu(w1(x)) * w3(x)). Built the same everywhere (its
-    own seed, under a forked RNG: the caller's random state is left as it was)."""
+    """Llama's feed-forward block, w2(silu(gate) * up), with the gate and up projections
+    stored as ONE matrix: w13's first `hidden` rows are the gate's, the next `hidden` the up
+    projection's (one matmul instead of two). Built the same everywhere (its own seed, under
+    a forked RNG: the caller's random state is left as it was)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    class SwiGLU(nn.Module):
+    class FusedSwiGLU(nn.Module):
         def __init__(self, dim: int, hidden: int) -> None:
             super().__init__()
-            self.w1, self.w3 = nn.Linear(dim, hidden), nn.Linear(dim, hidden)
+            self.w13 = nn.Linear(dim, 2 * hidden)   # [gate; up]
             self.w2 = nn.Linear(hidden, dim)
 
         def forward(self, x):
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return SwiGLU(DIM, HIDDEN)
+        return FusedSwiGLU(DIM, HIDDEN)
 
 
 def plan_attempt_on_rank(attempt: Callable) -> dict:
@@ -343,20 +351,43 @@ def plan_attempt_on_rank(attempt: Callable) -> dict:
     sharded = sorted(name for name, p in model.named_parameters() if isinstance(p, DTensor)
                      and not all(pl.is_replicate() for pl in p.placements))
     theirs = dict(full.named_parameters())
+    whole = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+             for name, p in model.named_parameters()}
+    if set(whole) != set(theirs):
+        return {"error": "parameters", "where": "parallelizing", "names": sorted(whole)}
+    # w13's rows may have been moved (each rank's gate rows beside its up rows), not changed:
+    # where each row of the block's went, and its gradient compared there
+    rows = _where_rows_went(whole["w13.weight"], theirs["w13.weight"].detach())
+    if rows is None or not torch.equal(whole["w13.bias"], theirs["w13.bias"].detach()[rows]):
+        return {"error": "rows changed", "where": "parallelizing"}
     weights = {}
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        weights[name] = (float("inf") if grad is None
-                         else (grad - theirs[name].grad).abs().max().item())
+        want = theirs[name].grad[rows] if name.startswith("w13.") else theirs[name].grad
+        weights[name] = (float("inf") if grad is None else (grad - want).abs().max().item())
 
     def counts(mode) -> dict[str, int]:
         return {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items() if v}
 
     return {"error": None, "out": (y - yr[:, mine]).abs().max().item(),
+            "moved": not torch.equal(rows, torch.arange(len(rows))),
             "grad": (xs.grad - xr.grad[:, mine]).abs().max().item()
             if xs.grad is not None else float("inf"),
             "weights": weights, "forward": counts(fwd), "backward": counts(bwd),
             "sharded": sharded}
+
+
+def _where_rows_went(moved, original):
+    """For each row of `moved`, the index of the row of `original` it is, or None where the
+    rows are not the original's in another order (the block's rows are random: no two
+    alike)."""
+
+    if moved.shape != original.shape:
+        return None
+    match = (moved[:, None, :] == original[None, :, :]).all(dim=-1)   # [moved, original]
+    if not (match.sum(dim=1) == 1).all() or not (match.sum(dim=0) == 1).all():
+        return None
+    return match.float().argmax(dim=1)
 
 
 def _leaves_it_whole(attempt: Callable) -> bool:
@@ -389,12 +420,14 @@ def _counted(counts: dict[str, int]) -> str:
     return ", ".join(f"{v} × {k}" for k, v in counts.items()) or "no collective"
 
 
-@exercise("10.2", "A SwiGLU block with sequence parallelism", solution="parallelize_swiglu_sp",
-          hint="the input arrives cut along the sequence, and w1 and w3 both need every "
-               "position. Where must the block's one all-gather happen so that both of them "
-               "use its result (and autograd adds their two gradients for x before the one "
-               "reduce-scatter back)? And how should the last layer hand on its partial "
-               "sums so that each rank keeps only its positions?")
+@exercise("10.2", "A fused SwiGLU block with sequence parallelism",
+          solution="parallelize_swiglu_sp",
+          hint="print which rows of w13 a column-wise cut gives each rank, and what "
+               "chunk(2) then makes of them. Reorder w13's rows before cutting (in place, "
+               "weight and bias) so that each rank's block is its slice of the gate followed "
+               "by the SAME slice of the up projection, the features its slice of w2 "
+               "expects. Then: where does the one all-gather go, and how does w2 hand on its "
+               "partial sums so that each rank keeps only its positions?")
 def check_parallelize_swiglu_sp(parallelize_swiglu_sp: Callable) -> str:
     expect(not _leaves_it_whole(parallelize_swiglu_sp), *NOTHING_SHARDED)
     with ranks(PLAN_WORLD) as pool:
@@ -404,6 +437,15 @@ def check_parallelize_swiglu_sp(parallelize_swiglu_sp: Callable) -> str:
                           hint=MATCH_HINT)
     want = (BATCH, SEQ // PLAN_WORLD, DIM)
     for r, out in enumerate(got):
+        expect(out["error"] != "parameters",
+               f"the block's parameters are now {', '.join(out.get('names', []))}: keep "
+               "w13 and w2 (a checkpoint stores them so), reorder w13's rows if you must.",
+               "move rows of w13.weight and w13.bias in place, under torch.no_grad(); do "
+               "not replace the layers.")
+        expect(out["error"] != "rows changed",
+               "w13's rows are no longer the block's rows in another order: a row was "
+               "changed, or its bias did not move with it.",
+               "move whole rows (weight and bias the same way), and change no value.")
         if out["error"] == "a DTensor":
             raise NotYet(f"rank {r}'s output is a DTensor ({out['placements']}), not the "
                          "plain tensor of its positions that the next layer expects.",
@@ -440,10 +482,21 @@ def check_parallelize_swiglu_sp(parallelize_swiglu_sp: Callable) -> str:
                    "added rank 0's positions to rank 1's.",
                    "tell torch where the block's input arrives cut along the sequence "
                    "(Shard(1)), so that it gathers the positions instead.")
+            expect(out["moved"],
+                   f"rank {r}'s output differs from the unsharded block's by up to "
+                   f"{out['out']:.3g}, with no error: cut as it is stored, w13's "
+                   f"{2 * HIDDEN} rows give rank 0 rows 0-{HIDDEN - 1}, all of the gate, and "
+                   f"rank 1 all of the up projection, so each rank's chunk(2) pairs gate "
+                   "features with gate features (or up with up), and w2's slice on rank r "
+                   "expects hidden features r·H/2 onwards, which neither half is.",
+                   "reorder w13's rows before cutting it: rank r's contiguous block must be "
+                   "its slice of the gate, then the same slice of the up projection.")
             expect(False, f"rank {r}'s output differs from the unsharded block's by up to "
-                          f"{out['out']:.3g}.",
-                   "silu and the product are elementwise: both run on a slice of the "
-                   "hidden features, as long as w1 and w3 are cut the same way.")
+                          f"{out['out']:.3g}: you moved w13's rows, but rank {r}'s block is "
+                          "not the gate's and the up projection's rows for the hidden "
+                          "features its slice of w2 expects.",
+                   "for rank r and a slice h = H/2: gate rows r·h to (r+1)·h − 1, then up "
+                   "rows H + r·h to H + (r+1)·h − 1, in that order.")
         expect(out["grad"] < 1e-5,
                f"the output is right, but rank {r}'s input gradient differs from its "
                f"positions of the unsharded block's by up to {out['grad']:.3g}.",
@@ -453,13 +506,9 @@ def check_parallelize_swiglu_sp(parallelize_swiglu_sp: Callable) -> str:
         expect(not wrong,
                f"the output and the input gradient are right, but on rank {r} the gradient "
                f"of {', '.join(wrong)} differs from the unsharded block's by up to "
-               f"{max(wrong.values(), default=0):.3g}.")
+               f"{max(wrong.values(), default=0):.3g} (w13's compared row for row, where "
+               "each row went).")
         fwd, bwd = out["forward"], out["backward"]
-        expect(fwd.get("all_gather_into_tensor", 0) < 2,
-               f"the values are right, but the forward ran {_counted(fwd)}: w1 and w3 each "
-               "gathered the sequence on its own, the same positions twice.",
-               "gather once, before the block's layers, into one input that w1 and w3 "
-               "share.")
         expect(fwd == SP_COUNTS,
                f"the values are right, but the forward ran {_counted(fwd)}; one all-gather "
                "(the positions, in) and one reduce-scatter (w2's partial sums, out, each "
@@ -467,16 +516,15 @@ def check_parallelize_swiglu_sp(parallelize_swiglu_sp: Callable) -> str:
                + (": an all-gather brings back a whole activation that a later layer could "
                   "have used in slices" if fwd.get("all_gather_into_tensor", 0) > 1 else "")
                + f". Sharded: {', '.join(out['sharded'])}.",
-               "cut w1 and w3 by their output features and w2 by its input features: the "
-               "hidden activation stays in slices, and only w2's partial sums meet.")
+               "cut w13 by its output features and w2 by its input features: the hidden "
+               "activation stays in slices, and only w2's partial sums meet.")
         expect(bwd == SP_COUNTS,
                f"forward is right, but the backward ran {_counted(bwd)}; one all-gather "
-               "(the output's gradient, in) and one reduce-scatter (x's gradient, from w1 "
-               "and w3 together) are enough.",
-               "w1 and w3 must use the SAME gathered input, so that their gradients for it "
-               "are added before the one reduce-scatter.")
+               "(the output's gradient, in) and one reduce-scatter (x's gradient) are "
+               "enough.")
     return ("on both ranks the output, the input's gradient and every weight's gradient "
-            "equal the unsharded block's, with one all-gather and one reduce-scatter in "
-            "forward (the positions in, w2's partial sums out) and the same two in backward "
-            f"(the output's gradient in, x's gradient out); sharded: "
-            f"{', '.join(got[0]['sharded'])}.")
+            "equal the unsharded block's (w13's where each of its rows went), with one "
+            "all-gather and one reduce-scatter in forward (the positions in, w2's partial "
+            "sums out) and the same two in backward (the output's gradient in, x's "
+            f"gradient out); sharded: {', '.join(got[0]['sharded'])}. A checkpoint in the "
+            "block's own order must be reordered the same way when it is loaded.")
