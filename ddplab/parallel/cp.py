@@ -8,7 +8,10 @@ receives from r-1), so after N - 1 steps every rank has met every K/V block, whi
 only one or two at a time (Liu et al. 2023, "Ring Attention with Blockwise Transformers";
 the Ultra-Scale Playbook, "Context parallelism"). Each step's sends and receives are posted
 with `isend`/`irecv` BEFORE the step's attention is computed, so on hardware that can do
-both at once the transfer hides behind the arithmetic.
+both at once the transfer hides behind the arithmetic. They are posted together, as one
+`batch_isend_irecv`: on gloo that is the same two calls, but NCCL may hold a send until
+its receive is posted, so a ring of separately posted sends can wait on itself; grouped,
+every rank's send and receive start together (torch's documentation recommends it).
 
 The blocks of one row's softmax arrive one at a time, so the softmax is built up online
 (Milakov and Gimelshein 2018; FlashAttention): each block gives a partial output o_b
@@ -150,12 +153,18 @@ def _mask(mine: torch.Tensor, seq_len: int, source: int, world: int, layout: str
     return (mine.unsqueeze(1) >= theirs.unsqueeze(0)).to(device)
 
 
+def _exchange(outgoing: torch.Tensor, incoming: torch.Tensor, after: int, before: int,
+              group) -> list:
+    """Post the ring's send to the next rank and receive from the previous one, together."""
+    return dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, outgoing, group=group, group_peer=after),
+        dist.P2POp(dist.irecv, incoming, group=group, group_peer=before)])
+
+
 def _pass_on(tensor: torch.Tensor, after: int, before: int, group) -> torch.Tensor:
     """Send `tensor` to the next rank of the ring and return what the previous one sent."""
     incoming = torch.empty_like(tensor)
-    works = [dist.isend(tensor.contiguous(), group=group, group_dst=after),
-             dist.irecv(incoming, group=group, group_src=before)]
-    for work in works:
+    for work in _exchange(tensor.contiguous(), incoming, after, before, group):
         work.wait()
     return incoming
 
@@ -168,7 +177,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 layout: str, group) -> torch.Tensor:
         world, rank, seq_len, mine = _ring_setup(q, k, v, layout, group)
-        # The neighbours, as ranks within the group (isend's group_dst, irecv's group_src).
+        # The neighbours, as ranks within the group (the P2POps' group_peer).
         after, before = (rank + 1) % world, (rank - 1) % world
         kv = torch.stack([k, v]).contiguous()  # one message per step, not two
         out = torch.zeros_like(q)
@@ -176,8 +185,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(world):
             if step < world - 1:  # post the next block's transfer first, then compute
                 incoming = torch.empty_like(kv)
-                works = [dist.isend(kv, group=group, group_dst=after),
-                         dist.irecv(incoming, group=group, group_src=before)]
+                works = _exchange(kv, incoming, after, before, group)
             mask = _mask(mine, seq_len, (rank - step) % world, world, layout, causal,
                          q.device)
             if mask is None or mask.any():  # a block entirely in the future is skipped

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 
 from matplotlib.figure import Figure
+from matplotlib.legend_handler import HandlerBase
 from matplotlib.patches import Patch, Polygon, Rectangle
 
 from ddplab.viz.canvas import (
@@ -380,10 +381,9 @@ def show_dtensor(global_shape: Sequence[int], mesh_shape: Sequence[int],
     striped = any(len(h) > 1 for _, h in holders)
     handles = [Patch(fc=tint(rank_color(r)), ec=line_color(rank_color(r)),
                      label=f"rank {r}") for r in range(n_ranks)]
-    if striped:
-        handles.append(Patch(fc=COMBINED, ec="#777777",
-                             label="striped: a whole copy on every rank of its stripes "
-                                   "(replicated)"))
+    if striped:  # its swatch striped as the blocks are, in two of the ranks' colours
+        handles.append(Patch(fc="none", ec="#777777", label="striped: a whole copy on every "
+                             "rank of its stripes (replicated)"))
     entries = [(r, h.get_label()) for r, h in enumerate(handles[:n_ranks])]
     entries += [("combined", h.get_label()) for h in handles[n_ranks:]]
     legend = legend_rows(entries, width)
@@ -457,9 +457,31 @@ def show_dtensor(global_shape: Sequence[int], mesh_shape: Sequence[int],
         artist = ax.legend(handles=[by_label[label] for label in row], loc="lower left",
                            ncol=len(row), frameon=False, fontsize=FONT - 1, handlelength=1.5,
                            columnspacing=1.0, bbox_to_anchor=(0.0, (len(legend) - 1 - k) * 0.28),
-                           bbox_transform=ax.transData)
+                           bbox_transform=ax.transData,
+                           handler_map={handles[-1]: _StripedSwatch()} if striped else None)
         ax.add_artist(artist)
     return canvas.fig
+
+
+class _StripedSwatch(HandlerBase):
+    """The legend's swatch for a replicated block: diagonal stripes, as the blocks are drawn
+    (in ranks 0's and 1's colours: a pattern, not those two ranks)."""
+
+    def create_artists(self, legend, orig_handle, xdescent, ydescent, width, height,
+                       fontsize, trans):
+        x, y, stripe = -xdescent, -ydescent, width / 4
+        artists = []
+        for k in range(math.ceil((width + height) / stripe) + 1):
+            a, b = k * stripe, (k + 1) * stripe
+            band = Polygon([(x + a, y), (x + b, y), (x + b - height, y + height),
+                            (x + a - height, y + height)], closed=True,
+                           fc=tint(rank_color(k % 2)), ec="none", transform=trans)
+            artists.append(band)
+        frame = Rectangle((x, y), width, height, fill=False, ec="#777777", lw=0.8,
+                          transform=trans)
+        for band in artists:
+            band.set_clip_path(frame)
+        return [*artists, frame]
 
 
 STRIPE = 0.09
