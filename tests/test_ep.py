@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddplab import Pool
+from ddplab.parallel import ep
 from ddplab.parallel.cp import (
     allgather_attention,
     attention,
@@ -564,3 +565,47 @@ def test_the_recorder_names_the_group_of_each_call(pool):
     for rank, calls in enumerate(pool.run(groups_recorded)):
         mine = (0, 1) if rank < 2 else (2, 3)
         assert calls == [("all_reduce", (0, 1, 2, 3), 4), ("all_reduce", mine, 2)]
+
+
+def test_a_bias_chooses_the_experts_but_the_gates_stay_the_routers():
+    torch.manual_seed(0)
+    router = nn.Linear(8, 4)
+    x = torch.randn(6, 8)
+    plain = ep.route(x, router, 2, 2.0)
+    assert torch.equal(plain.expert, ep.route(x, router, 2, 2.0, torch.zeros(4)).expert)
+    biased = ep.route(x, router, 2, 2.0, torch.tensor([0.0, 0.0, 0.0, 10.0]))
+    assert (biased.expert == 3).any(dim=1).all()          # everyone now picks expert 3
+    probs = torch.softmax(router(x), dim=-1)
+    gates = probs.gather(1, biased.expert)
+    assert torch.allclose(biased.weight, gates / gates.sum(dim=1, keepdim=True))
+
+
+def bias_steps(steps: int = 20, speed: float = 0.02) -> dict:
+    router, experts = ep.make_moe(16, 32, num_experts=8, seed=1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(16, 16, generator=g)
+    x[:, 0] = 1.0
+    with torch.no_grad():
+        router.weight[:2, 0] += 0.5                          # two hot experts
+    before = router.weight.detach().clone()
+    moe = ep.MoE(router, experts, top_k=2, capacity_factor=1.25)
+    moe.expert_bias = torch.zeros(8)
+    loads = []
+    for _ in range(steps):
+        with torch.no_grad():
+            moe(x)
+        loads.append(ep.update_expert_bias(moe.expert_bias, moe.last.routing.requested(),
+                                           speed).tolist())
+    return {"loads": loads, "bias": moe.expert_bias.clone(),
+            "moved": (router.weight - before).abs().max().item()}
+
+
+@pytest.mark.slow
+def test_the_bias_update_spreads_a_hot_router_without_touching_it(pool):
+    out = pool.run(bias_steps)
+    first, last = out[0]["loads"][0], out[0]["loads"][-1]
+    assert max(first) - min(first) > 2 * (max(last) - min(last))   # the spread shrinks
+    for o in out:
+        assert o["moved"] == 0
+        assert torch.equal(o["bias"], out[0]["bias"])           # the whole batch's loads
+        assert o["loads"] == out[0]["loads"]

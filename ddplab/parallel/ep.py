@@ -31,6 +31,11 @@ small) against wasted memory and compute (too large): Fedus et al. use 1.0 to 1.
 This file sends only the kept rows (uneven splits), so the factor here bounds the load
 rather than padding every expert to C.
 
+Balancing: the Switch Transformer's auxiliary loss (`load_balancing_loss`) teaches the
+router to spread its tokens; DeepSeek-V3 instead adds a per-expert bias to the scores that
+choose the experts, never to the gates, and moves it toward the mean load after each step
+(`update_expert_bias`, `MoE.expert_bias`), leaving the router's weights to the task.
+
 Autograd: `dist.all_to_all_single` has no backward, so `_AllToAll` wraps it: the backward
 of an all-to-all is the all-to-all of the gradients with the split sizes swapped (what
 went from rank a to rank b comes back from b to a). The router's weights get gradients
@@ -84,14 +89,22 @@ def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) 
 
 
 def route(x: torch.Tensor, router: nn.Linear, top_k: int,
-          capacity_factor: float) -> Routing:
+          capacity_factor: float, bias: torch.Tensor | None = None) -> Routing:
     """The router's choices for one group of tokens `x` [T, dim], with the capacity applied.
 
     Priority for the capacity: all first choices (token order), then all second choices,
-    so a second choice never pushes out another token's first choice (GShard)."""
+    so a second choice never pushes out another token's first choice (GShard).
+
+    `bias` [E], if given, is added to the probabilities to CHOOSE the experts only; the gate
+    weights stay the router's own probabilities of the chosen ones (DeepSeek-V3's
+    auxiliary-loss-free balancing, `update_expert_bias`)."""
     num_experts = router.out_features
     probs = torch.softmax(router(x), dim=-1)
-    weight, expert = probs.topk(top_k, dim=-1)
+    if bias is None:
+        weight, expert = probs.topk(top_k, dim=-1)
+    else:
+        expert = (probs + bias).topk(top_k, dim=-1).indices
+        weight = probs.gather(1, expert)
     if top_k > 1:  # the chosen experts' gates sum to one (GShard's top-2)
         weight = weight / weight.sum(dim=-1, keepdim=True)
     cap = capacity(x.shape[0], num_experts, top_k, capacity_factor)
@@ -117,6 +130,22 @@ def load_balancing_loss(r: Routing) -> torch.Tensor:
     counts = torch.bincount(r.expert.reshape(-1), minlength=r.num_experts)
     share = counts.to(r.probs.dtype) / r.expert.numel()
     return r.num_experts * (share * r.probs.mean(dim=0)).sum()
+
+
+@torch.no_grad()
+def update_expert_bias(bias: torch.Tensor, requested: Sequence[int], speed: float,
+                       group=None) -> torch.Tensor:
+    """DeepSeek-V3's balancing without an auxiliary loss (DeepSeek-AI 2024, section 2.1.2):
+    after each step, every expert's selection bias moves by `speed` toward the mean load,
+    b_e += speed · sign(mean − load_e), the loads summed over the ranks of `group` (the
+    whole batch's, so every rank's bias stays the same). Nothing is differentiated: the
+    router's weights, and so the task's gradient, are left alone. Updates `bias` in place
+    and returns the loads it used."""
+    load = torch.tensor(requested, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(load, group=group)
+    bias += speed * torch.sign(load.mean() - load).to(bias.dtype)
+    return load
 
 
 class _AllToAll(torch.autograd.Function):
@@ -188,10 +217,13 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(experts[rank * self.local:(rank + 1) * self.local])
         self.last: Dispatch | None = None
         self.aux_loss: torch.Tensor | None = None  # the last forward's balancing loss
+        # Selection biases, one an expert (None: the router's probabilities alone); moved
+        # between steps by `update_expert_bias` for DeepSeek-V3's balancing
+        self.expert_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_tokens(x, self.router)
-        r = route(x, self.router, self.top_k, self.capacity_factor)
+        r = route(x, self.router, self.top_k, self.capacity_factor, self.expert_bias)
         self.aux_loss = load_balancing_loss(r)
         token, expert, gate = _kept_choices(r)
         # Sort the kept rows by expert: then rank 0's rows come first, then rank 1's, ...
