@@ -313,6 +313,12 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
             end = clock()
             for entry in tapes[mb]:
                 entry[2] = None  # the outputs are no longer needed; their gradients are
+            # held until W, with the inputs: counted with the micro-batch's bytes
+            taped = sum(e[3].numel() * e[3].element_size() for e in tapes[mb]
+                        if e[3] is not None) if count_saved else 0
+            held[mb] = (x, y, held[mb][2] + taped)
+            in_bytes += taped
+            record.peak_bytes = max(record.peak_bytes, in_bytes)
             if not first:
                 send(dx, s - 1, "gradient", mb)
         else:  # W: each layer's weight gradient from its input and its output's gradient

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ddplab.viz.canvas import FONT, GAP, MAX_WIDTH, Canvas, legend_rows, title_width
-from ddplab.viz.palette import EMPTY, line_color, rank_color, text_color, tint
+from ddplab.viz.palette import EMPTY, line_color, rank_color, tint
 
 Score = tuple[int, int] | None
 """One score: (the rank that computes it, the ring step at which it does), or None where
@@ -62,6 +62,8 @@ def show_scores(panels: Mapping[str, Sequence[Sequence[Score]]], *,
         x0, y0 = left + axis, top - caption_h - label_h
         ax.text(x0 + n * cell / 2, y0 + label_h, "key position →", ha="center",
                 va="bottom", fontsize=FONT - 2, color="#555555")
+        ax.text(x0 - 0.26, y0 - n * cell / 2, "← query position", ha="center", va="center",
+                rotation=90, fontsize=FONT - 2, color="#555555")   # the arrow points down
         for i in range(n):
             if n <= 16 or i % 4 == 0:
                 ax.text(x0 + (i + 0.5) * cell, y0 + 0.02, str(i), ha="center", va="bottom",
@@ -79,8 +81,9 @@ def show_scores(panels: Mapping[str, Sequence[Sequence[Score]]], *,
                 color = rank_color(rank)
                 ax.add_patch(Rectangle((x, y), cell, cell, fc=tint(color), ec="white",
                                        lw=0.6))
+                # dark digits, as large as the cell allows: legible on every rank's tint
                 ax.text(x + cell / 2, y + cell / 2, str(step), ha="center", va="center",
-                        fontsize=FONT - 3, color=text_color(color))
+                        fontsize=FONT - 1 if cell >= 0.2 else FONT - 3, color="#222222")
         ax.add_patch(Rectangle((x0, y0 - n * cell), n * cell, n * cell, fill=False,
                                ec="#777777", lw=0.8))
     handles = {r: Patch(fc=tint(rank_color(r)), ec=line_color(rank_color(r)), label=label)
