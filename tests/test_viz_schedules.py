@@ -137,3 +137,15 @@ def test_ranks_holding_several_stages_draw_them_side_by_side_with_the_ranks_idle
         by_lane[round(p.get_y(), 3)] = by_lane.get(round(p.get_y(), 3), 0.0) + p.get_width()
     assert sorted(round(w / axis, 3) for w in by_lane.values()) == sorted(
         round(1 - busy[r] / step, 3) for r in (0, 0, 1, 1))
+
+
+def test_an_ideal_in_seconds_shares_the_measured_panels_scale():
+    measured = gpipe(2, 2, unit=0.021)          # the measured run a little slower
+    fig = viz.show_schedule(measured, gpipe(2, 2), ideal_unit=0.020)
+    widths = sorted({round(p.get_width(), 4) for p in fig.axes[0].patches
+                     if isinstance(p, Rectangle) and p.get_fill()
+                     and p.get_facecolor()[:3] != to_rgb(IDLE)})
+    # an ideal forward (20 ms), a measured one (21 ms) 5 % wider, then the backwards: one scale
+    assert widths[1] / widths[0] == pytest.approx(1.05, abs=0.01)
+    assert widths[3] / widths[2] == pytest.approx(1.05, abs=0.01)
+    assert "time units" not in texts(fig)       # both panels on the time axis

@@ -67,7 +67,7 @@ def idle_share(events: Sequence[Any]) -> dict[int, float]:
 def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
                   ranks: Sequence[int] | None = None, title: str | None = None,
                   names: tuple[str, str] = ("measured, in seconds", "ideal, in units of time"),
-                  measured: bool = True) -> Figure:
+                  measured: bool = True, ideal_unit: float | None = None) -> Figure:
     """A pipeline step, one lane per stage: every micro-batch's forward (light) and backward
     (hatched: dark, or where the backward is split, its input's gradient B dark with white
     hatching and its weights' gradient W near-white with dark hatching, both hatched as
@@ -81,10 +81,17 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
     stages (interleaved and V schedules), a rank's stages are drawn as thinner lanes side
     by side and the idle share is the rank's (none of its stages running). In an order
     that splits some backwards, a B with no W after it is a whole backward (DualPipeV's).
+
+    `ideal_unit`, the seconds one unit of the ideal stands for (the measured stages' time
+    of a forward), draws the ideal in seconds on the measured panel's scale, so that the
+    two steps' lengths, and every box and gap, compare by eye.
     """
     panels = [(names[0], _rows(events), not measured)]
     if ideal is not None:
-        panels.append((names[1], _rows(ideal), True))
+        rows = _rows(ideal)
+        if ideal_unit is not None:
+            rows = [(s, k, mb, a * ideal_unit, b * ideal_unit) for s, k, mb, a, b in rows]
+        panels.append((names[1], rows, ideal_unit is None))
     stages = sorted({r[0] for _, rows, _ in panels for r in rows})
     ranks = list(ranks) if ranks is not None else list(range(max(stages) + 1))
     if len(ranks) <= max(stages):
@@ -102,9 +109,12 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
     # panels in units of time share one scale, so that their lengths compare
     unit_span = max((max(r[4] for r in rows) - min(r[3] for r in rows)
                      for _, rows, units in panels if units), default=None)
+    # an ideal in seconds shares the measured panel's scale
+    shared = (max(max(r[4] for r in rows) - min(r[3] for r in rows) for _, rows, _ in panels)
+              if ideal_unit is not None else None)
     for (name, rows, units), h in zip(panels, panel_h, strict=True):
         _panel(ax, name, rows, units, stages, ranks, top, left, axis, lane,
-               unit_span if units else None)
+               unit_span if units else shared)
         top -= h
     grey = "#555555"
     split = any(r[1] == "W" for _, rows, _ in panels for r in rows)
