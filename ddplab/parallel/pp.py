@@ -258,9 +258,10 @@ def train_step(stage_module: nn.Module, *, schedule: str | Sequence[str], micro_
         # neighbour are waited for (torch's schedules fuse a send with the next receive
         # the same way): the neighbour may itself be waiting for its send to us, which our
         # posted receive completes, and it has taken or will take ours in order.
-        for pending in [x for x in sends if x[1] == source]:
-            finish(*pending[:4], sending=True)
-            sends.remove(pending)
+        for pending in sends:
+            if pending[1] == source:
+                finish(*pending[:4], sending=True)
+        sends[:] = [pending for pending in sends if pending[1] != source]
         finish(work, source, what, mb)
         return buffer
 

@@ -100,7 +100,9 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
     lane, left, right = 0.42, 1.45, 0.85
     axis = MAX_WIDTH - left - right
     title_h = 0.45 if title else 0.1
-    panel_h = [0.3 + _lanes_height(stages, ranks, lane) + 0.45 for _ in panels]
+    layout = _lanes(stages, ranks, lane)   # the same lanes in every panel
+    lanes_h = max(offset for offset, _ in layout.values())
+    panel_h = [0.3 + lanes_h + 0.45 for _ in panels]
     legend_h = 0.4
     height = title_h + sum(panel_h) + legend_h
     canvas = Canvas(MAX_WIDTH, height, CELL, title)
@@ -113,7 +115,7 @@ def show_schedule(events: Sequence[Any], ideal: Sequence[Any] | None = None, *,
     shared = (max(max(r[4] for r in rows) - min(r[3] for r in rows) for _, rows, _ in panels)
               if ideal_unit is not None else None)
     for (name, rows, units), h in zip(panels, panel_h, strict=True):
-        _panel(ax, name, rows, units, stages, ranks, top, left, axis, lane,
+        _panel(ax, name, rows, units, stages, ranks, layout, top, left, axis, lane,
                unit_span if units else shared)
         top -= h
     grey = "#555555"
@@ -160,13 +162,9 @@ def _idle_spans(rows: list[Row], ranks: list[int], rank: int, t0: float,
     return spans + ([(at, t1)] if at < t1 else [])
 
 
-def _lanes_height(stages: list[int], ranks: list[int], lane: float) -> float:
-    return max(offset for offset, _ in _lanes(stages, ranks, lane).values())
-
-
 def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
-           ranks: list[int], top: float, left: float, axis: float, lane: float,
-           span: float | None = None) -> None:
+           ranks: list[int], layout: dict[int, tuple[float, float]], top: float,
+           left: float, axis: float, lane: float, span: float | None = None) -> None:
     """One schedule: its name, a lane per stage, the boxes, the idle shares, the axis
     (`span`, if given, is the time the whole axis stands for: one scale for several)."""
     t0, t1 = min(r[3] for r in rows), max(r[4] for r in rows)
@@ -178,17 +176,18 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
     def x(t: float) -> float:
         return left + (t - t0) * scale
 
-    layout = _lanes(stages, ranks, lane)
     # A rank's idle share: where it holds several stages, while none of them runs
     shares = idle_share([(ranks[r[0]], *r[1:]) for r in rows])
     grouped = any(height != lane for _, height in layout.values())
+    # where a rank holds several stages: its idle stretches, once for all its lanes
+    idle = ({rank: _idle_spans(rows, ranks, rank, t0, t1) for rank in set(ranks)}
+            if grouped else {})
     for stage in stages:
         offset, height = layout[stage]
         color = rank_color(ranks[stage])
         # Grey where the stage's rank is idle: the whole lane, or, on a rank holding several
         # stages, only where none of them runs (a stage's empty lane is not idle time then)
-        for a, b in (_idle_spans(rows, ranks, ranks[stage], t0, t1) if grouped
-                     else [(t0, t1)]):
+        for a, b in idle.get(ranks[stage], [(t0, t1)]):
             ax.add_patch(Rectangle((x(a), first - offset + 0.05), (b - a) * scale,
                                    height - 0.1, fc=IDLE, ec="none"))
         ax.text(left - 0.1, first - offset + height / 2, f"stage {stage} · rank {ranks[stage]}",
@@ -221,7 +220,7 @@ def _panel(ax, name: str, rows: list[Row], units: bool, stages: list[int],
                     else FONT - 3,
                     bbox={"fc": "white", "ec": "none", "alpha": 0.8, "pad": 0.6}
                     if kind != "F" else None)
-    base = first - _lanes_height(stages, ranks, lane) - 0.03
+    base = first - max(offset for offset, _ in layout.values()) - 0.03
     if units:
         ax.plot([left, x(t1)], [base, base], color="#555555", lw=0.8)
         step = max(1, round((span or t1 - t0) / 12))
