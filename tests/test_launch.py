@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 
 from ddplab import Pool, launch
 from ddplab.launch import Launch, LaunchError, detect, first_host, gpu_index, tasks_per_node
+from ddplab.pool import rendezvous
 from ddplab.pool.rendezvous import is_per_process, rank_env
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
@@ -156,10 +160,53 @@ def test_nccl_without_gpus_names_the_gloo_fix():
     assert launch.device(detect({}), "gloo") == torch.device("cpu")
 
 
-def test_free_port_is_free():
+def _ephemeral_low() -> int:
+    """The first port the OS hands out by itself (Linux's ip_local_port_range)."""
+    path = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    return int(path.read_text().split()[0]) if path.exists() else 49152
+
+
+def test_free_port_is_free_and_below_the_ports_the_os_hands_out():
     port = launch.free_port()
+    assert port < min(_ephemeral_low(), 20000), port  # and below the Slurm job ports
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+        s.bind(("", port))
+
+
+def test_free_port_skips_a_port_something_listens_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(rendezvous, "_COUNTER", tmp_path / "ports")  # this test's alone
+    low, high = rendezvous._HANDED_OUT
+    with socket.socket() as taken:
+        for port in range(low + 100, high):
+            try:
+                taken.bind(("", port))
+                break
+            except OSError:
+                continue
+        taken.listen()
+        (tmp_path / "ports").write_text(str(port - low))  # the counter points at it
+        got = rendezvous.free_port()
+    assert got > port, (got, port)
+    assert (tmp_path / "ports").read_text() == str(got - low + 1)
+
+
+_HAND_OUT = """
+import sys
+from pathlib import Path
+from ddplab.pool import rendezvous
+rendezvous._COUNTER = Path(sys.argv[1])
+print(*(rendezvous.free_port() for _ in range(int(sys.argv[2]))))
+"""
+
+
+def test_free_port_never_gives_two_processes_one_port(tmp_path):
+    """Three processes at once, 300 ports each: 900 ports, no two alike (the OS's pick,
+    bind to 0 and close, gives the same port again as soon as it is let go)."""
+    calls = [subprocess.Popen([sys.executable, "-c", _HAND_OUT, str(tmp_path / "ports"), "300"],
+                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    ports = [int(p) for call in calls for p in call.communicate(timeout=120)[0].split()]
+    assert all(call.returncode == 0 for call in calls)
+    assert len(ports) == 900 and len(set(ports)) == 900, sorted(ports)
 
 
 def test_pool_ranks_know_they_are_pool_ranks_whatever_the_kernel_inherited(monkeypatch):

@@ -2,7 +2,8 @@
 
 - `listening_socket()`: the socket rank 0's TCPStore will serve from, already listening
   when the ranks start, so none of them is refused (see its docstring: why that matters).
-- `free_port()`: a port on 127.0.0.1 that nothing listens on: the MASTER_PORT of a pool
+- `free_port()`: a port that nothing listens on and that no other process was just given
+  (see its docstring: why not the OS's pick): the MASTER_PORT of a pool
   whose ranks join a group themselves (`init_method=None`), and, as
   `ddplab.launch.free_port`, the one the chapters and launcher scripts give torchrun,
   mpirun and Slurm.
@@ -17,8 +18,14 @@ they are written once, here, in the engine, which imports nothing of the toolbox
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import random
 import socket
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 POOL_MARK = "DDPLAB_POOL_RANK"
 """Set by the pool in each of its ranks (to the rank), so `detect()` knows who started it."""
@@ -52,16 +59,73 @@ def rank_env(environ: Mapping[str, str], rank: int, world_size: int,
     return env
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it).
+_HANDED_OUT = (10000, 20000)
+"""The ports `free_port` hands out, in turn: below Linux's ephemeral range (32768 up, and
+49152 up on macOS), and below `ddplab.launch`'s Slurm job ports (20000 to 32767)."""
 
-    Between choosing and binding it another program may take it. The pool's own groups
-    never use it for that reason (`listening_socket`); it is the port of a group the
-    learner or a launcher makes, whose server is started by code the kit does not own.
+_COUNTER = Path(tempfile.gettempdir()) / "ddplab-ports"
+"""Where the next port to hand out is kept: one small file for the machine, shared by
+every process of every user that calls `free_port` (a per-user file where the shared one
+cannot be opened)."""
+
+
+def free_port() -> int:
+    """A TCP port that nothing on this machine listens on now, and that no `free_port()`
+    call on this machine will hand out again before its counter has gone round 10,000 ports.
+
+    The port is for a server that someone else starts later (torchrun's agent, a learner's
+    `init_process_group`, a pool whose ranks join a group themselves), seconds later on a
+    busy machine. The textbook recipe, bind to port 0 and close, asks the OS for a port of
+    its ephemeral range, and the OS hands that port to the next program that binds to port
+    0 (a pool's store, gloo's listeners, a Jupyter kernel) as soon as the recipe has let go
+    of it: a torchrun node then dialled another program's store and hung (CI, 2026-12-07;
+    benchmarks/RESULTS.md, "A port handed out twice"). So the ports come from below the
+    ephemeral range, which the OS never picks by itself, in turn, from a counter that
+    every process on the machine shares under a file lock: two calls return the same port
+    only 10,000 ports apart, and a port that something listens on is skipped.
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    low, high = _HANDED_OUT
+    with _shared_counter() as fd:
+        raw = os.pread(fd, 32, 0).strip()
+        start = int(raw) if raw.isdigit() else random.randrange(high - low)
+        for step in range(high - low):
+            port = low + (start + step) % (high - low)
+            if _nothing_on(port):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str((port - low + 1) % (high - low)).encode(), 0)
+                return port
+    raise OSError(f"free_port: every port from {low} to {high - 1} is in use on this machine")
+
+
+@contextlib.contextmanager
+def _shared_counter() -> Iterator[int]:
+    """The counter file, open and locked for this process alone until the block ends."""
+    paths = (_COUNTER, _COUNTER.with_name(f"{_COUNTER.name}-{os.getuid()}"))
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's file, and /tmp protects it from us
+            continue
+        break
+    else:
+        raise PermissionError(f"free_port: cannot open {paths[0]} or {paths[1]}")
+    try:
+        with contextlib.suppress(PermissionError):
+            os.fchmod(fd, 0o666)  # the umask took the others' write bit; give it back
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)  # closing it lets go of the lock
+
+
+def _nothing_on(port: int) -> bool:
+    """Whether `port` can be bound on every address (so nothing listens on any of them)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def listening_socket() -> socket.socket:

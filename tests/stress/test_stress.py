@@ -5,6 +5,8 @@
 - the pool's own start and restart, which no longer retry anything;
 - a Jupyter kernel's start, over the transport this run's kernels use, also beside another
   program's dense, changing ports;
+- a port `free_port()` chose, still free when its server binds it a second later, beside
+  the same ports (and, for the record, the OS's pick, which the OS gives away again);
 - chapter 6a's two-node torchrun runs, the static and the c10d rendezvous, and its
   restart after a failing rank;
 - chapter 6b's Slurm jobs while another private cluster runs its own (a test's, under
@@ -26,8 +28,10 @@ import contextlib
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -166,6 +170,36 @@ def test_kernel_starts(load, tally, ports):
     with PortChurn() if ports else contextlib.nullcontext():
         row.run(once)
     assert row.failed == 0, row.failures
+
+
+def _the_os_pick() -> int:
+    """The textbook recipe, and `free_port` up to 2026-12-07: bind to port 0, let go."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("pick", ["the OS's pick (bind to port 0, let go)", "free_port()"])
+def test_a_chosen_port_is_still_free_when_its_server_starts(load, tally, pick):
+    """A port is chosen, and its server (torchrun's agent, a learner's TCPStore) binds it a
+    second later, the time a process takes to import torch: beside another program's
+    dense, changing ports, the OS hands the recipe's port to someone else in between."""
+    choose = free_port if pick == "free_port()" else _the_os_pick
+    row = tally(f"a port chosen by {pick} is still free 1 s later, when its server binds "
+                "it, beside 2,000 ports held and churned", 200, reference=choose is not free_port)
+
+    def once() -> None:
+        port = choose()
+        time.sleep(1.0)
+        with socket.socket() as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+            server.bind(("", port))
+            server.listen()
+
+    with PortChurn():
+        row.run(once)
+    if choose is free_port:
+        assert row.failed == 0, row.failures
 
 
 @pytest.fixture(scope="module")
