@@ -12,7 +12,7 @@ from matplotlib.patches import Rectangle
 from viz_checks import no_warnings  # noqa: F401 (the fixture applies by import)
 
 from ddplab import viz
-from ddplab.viz.palette import HATCHES, line_color, rank_color, tint
+from ddplab.viz.palette import COMBINED, HATCHES, line_color, rank_color, tint
 
 
 def rgb(color) -> tuple[float, ...]:
@@ -55,6 +55,10 @@ def test_colour_means_a_rank_everywhere_else_neutral(sp):
         for handle, text in zip(legend.legend_handles, legend.get_texts(), strict=True):
             if not text.get_text().startswith("rank "):
                 assert rgb(handle.get_facecolor()) not in ranks, text.get_text()
+    named = [t.get_text() for legend in ax.artists for t in legend.get_texts()]
+    grey = any(rgb(p.get_facecolor()) == rgb(COMBINED) and not p.get_hatch()
+               for p in ax.patches)
+    assert any(t.startswith("grey") for t in named) == grey, named  # named where drawn
 
 
 def test_a_title_too_wide_for_the_page_is_refused():

@@ -51,6 +51,16 @@ def test_routing_draws_a_band_per_sender_and_expert_in_the_senders_colour():
     assert fig.get_figwidth() <= MAX_WIDTH
 
 
+def test_routing_draws_every_box_as_tall_as_its_rows_on_one_scale():
+    sent = np.minimum(REQUESTED, 4)
+    fig = viz.show_routing(sent.tolist(), experts_per_rank=2, dropped=(REQUESTED - sent))
+    boxes = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+    rows = [*REQUESTED.sum(axis=1), *sent.sum(axis=0), (REQUESTED - sent).sum()]
+    assert len(boxes) == len(rows) == 8  # 3 senders, 4 experts, the dropped box
+    per_row = {round(box.get_height() / n, 9) for box, n in zip(boxes, rows, strict=True)}
+    assert len(per_row) == 1, per_row  # one scale: a box of twice the rows is twice as tall
+
+
 def test_routing_size_follows_ranks_and_experts_never_the_counts():
     a = viz.show_routing([[1, 2], [3, 4]], experts_per_rank=1)
     b = viz.show_routing([[100, 2000], [3, 0]], experts_per_rank=1)
@@ -129,7 +139,7 @@ def test_traffic_counts_each_group_once_from_its_first_member():
         (0, 1): (7, True), (0, 2): (11, True), (1, 3): (13, True), (2, 3): (0, True)}
 
 
-def test_links_label_calls_and_bytes_and_widen_with_bytes():
+def test_links_label_calls_and_bytes_and_are_as_wide_as_their_bytes():
     fig = viz.show_group_traffic([[0, 1], [2, 3]], {"a": TP_CALLS, "b": TP_CALLS[:1]})
     assert fig.get_size_inches()[0] <= MAX_WIDTH
     assert "all-reduce ×4\n1,024 B on a ring" in texts(fig)
@@ -139,7 +149,7 @@ def test_links_label_calls_and_bytes_and_widen_with_bytes():
                                         counted={"a": counted})
     assert "all-reduce ×4\n~7 B sent" in texts(at_sockets)  # counted: about, never exact
     widths = sorted({round(line.get_linewidth(), 2) for line in fig.axes[0].lines})
-    assert widths == [round(1 + 7 * 1024 / 2144, 2), 8.0]
+    assert widths == [round(10 * 1024 / 2144, 2), 10.0]  # proportional: drawn to scale
     boxes = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
     assert [edge(p) for p in boxes[:4]] == [rgb(viz.line_color(viz.rank_color(r)))
                                              for r in range(4)]

@@ -2,14 +2,15 @@
 
 `show_group_traffic` draws the ranks of a 2-D mesh as boxes (in their colours) and, for
 every process group the recorded calls ran on, a link between its ranks labelled with the
-calls (kind and count) and the bytes each rank sent over it; the link's width grows with
-those bytes, on one scale for every panel, so two runs side by side (FSDP2 x TP against
-HSDP) compare bytes per link at a glance. The calls come from the run itself (for example
-`sharding.record_collectives`' `Comm.kind`, `Comm.ring_bytes` and `Comm.group`), so the
-picture shows what happened rather than what the mesh promises. The bytes are the calls'
-own figure (a ring's arithmetic, labelled "on a ring") unless `counted` gives each panel's
-`sharding.wire.matrix`, the bytes counted at the sockets (labelled "~... sent": gloo's
-short notes between ranks make a count vary by a few dozen bytes from run to run).
+calls (kind and count) and the bytes each rank sent over it; the link's width is
+proportional to those bytes, on one scale for every panel, so two runs side by side (FSDP2
+x TP against HSDP) compare bytes per link at a glance. The calls come from the run itself
+(for example `sharding.record_collectives`' `Comm.kind`, `Comm.ring_bytes` and
+`Comm.group`), so the picture shows what happened rather than what the mesh promises. The
+bytes are the calls' own figure (a ring's arithmetic, labelled "on a ring") unless
+`counted` gives each panel's `sharding.wire.matrix`, the bytes counted at the sockets
+(labelled "~... sent": gloo's short notes between ranks make a count vary by a few dozen
+bytes from run to run).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def show_group_traffic(mesh: Sequence[Sequence[int]],
     `panels` maps a panel's title to every rank's recorded calls [rank][(kind, sent,
     group)]; `counted`, where given, maps a panel's title to its `sharding.wire.matrix`,
     whose bytes then replace the calls' own. A link's width is proportional to its bytes,
-    on one scale for all panels.
+    on one scale for all panels (the busiest link 10 points; none thinner than half a
+    point, so that a link of a few bytes is still seen).
     """
     grid = [[int(r) for r in row] for row in mesh]
     if not grid or not grid[0] or any(len(row) != len(grid[0]) for row in grid):
@@ -120,7 +122,7 @@ def show_group_traffic(mesh: Sequence[Sequence[int]],
                 fontweight="bold")
         for group, entry in groups.items():
             ends = [centre(r) for r in group]
-            lw = 1.0 + 7.0 * entry["sent"] / biggest
+            lw = max(10.0 * entry["sent"] / biggest, 0.5)  # a hairline at least, to be seen
             for (x0, y0), (x1, y1) in pairwise(ends):
                 ax.plot([x0, x1], [y0, y1], color="#555555", lw=lw, solid_capstyle="butt",
                         zorder=1)

@@ -164,8 +164,9 @@ def show_tp_flow(world_size: int = 2, *, sequence_parallel: bool = False,
                          "in: shorten the title")
     title_h = 0.45 if title else 0.15
     entries = [(r, f"rank {r}'s slice") for r in range(n)]
-    entries += [("same", "grey: the same on every rank"),
-                ("partial", "horizontal lines: a partial sum"),
+    if not sp:  # with sequence parallelism nothing is whole on every rank: no grey to name
+        entries.append(("same", "grey: the same on every rank"))
+    entries += [("partial", "horizontal lines: a partial sum"),
                 ("summed", "a grid: summed over every rank"
                  + (", this rank's positions" if sp else "")),
                 ("weight", "dashed outline: a weight, Wᵀ (in × out)"),

@@ -3,12 +3,12 @@
 `show_routing` draws a mixture-of-experts layer's dispatch as a flow: the ranks that send
 tokens on the left, the experts on the right grouped under the rank that holds them, and a
 band from each sending rank to each expert as wide as the number of token rows it sent,
-in the SENDING rank's colour (as everywhere in the kit, a colour says whose data it is).
-A band to the grey "dropped" box at the bottom is the rows the capacity turned away.
-`show_expert_load` draws the load per expert: for each expert a group of bars, one per
-sending rank, as tall as the rows that rank asked the expert to take; the capacity (the
-most an expert accepts from one rank) is a dashed line, and what stands above it, the
-dropped rows, is hatched.
+every box as tall as the rows through it, on one scale, in the SENDING rank's colour (as
+everywhere in the kit, a colour says whose data it is). A band to the grey "dropped" box at
+the bottom is the rows the capacity turned away. `show_expert_load` draws the load per
+expert: for each expert a group of bars, one per sending rank, as tall as the rows that
+rank asked the expert to take; the capacity (the most an expert accepts from one rank) is a
+dashed line, and what stands above it, the dropped rows, is hatched.
 
 Both take plain integer counts (lists or arrays, `counts[src][expert]`), so they can be
 drawn and tested without torch or a pool; `ddplab.parallel.ep`'s `Routing.requested()`,
@@ -101,49 +101,54 @@ def show_routing(sent, *, experts_per_rank: int, dropped=None,
     canvas = Canvas(width, height, CELL, title)
     ax = canvas.ax
     top = height - title_h - 0.1
-    # Rows of tokens to inches: the busiest box fills its height.
-    most = max([*(sent + dropped).sum(axis=1), *sent.sum(axis=0), dropped.sum(), 1])
-    scale = min(src_h, row_h) / most
-    # Sending ranks, spread evenly down the left.
+    # Rows of tokens to inches, one scale for every box and band: each box is exactly as
+    # tall as the rows through it (the busiest fills its slot), so sizes compare.
+    most_src = max([*(sent + dropped).sum(axis=1), 1])
+    most_dst = max([*sent.sum(axis=0), dropped.sum(), 1])
+    scale = min(src_h / most_src, row_h / most_dst)
+    thin = 0.02  # an expert that received nothing: a sliver, so that it is still there
+    # Sending ranks, spread evenly down the left; each box at the top of its slot.
     src_y = []
     pitch = (body - src_h) / max(ranks - 1, 1)
     for r in range(ranks):
-        y = top - r * pitch - src_h if ranks > 1 else top - (body + src_h) / 2
-        src_y.append(y)
+        slot = top - r * pitch if ranks > 1 else top - (body - src_h) / 2
+        h = max((sent + dropped)[r].sum() * scale, thin)
+        src_y.append(slot - h)
         color = rank_color(r)
-        ax.add_patch(Rectangle((x_src, y), box_w, src_h, fc=tint(color), ec=line_color(color),
-                               lw=1.4))
-        ax.text(x_src - 0.1, y + src_h / 2 + 0.09, f"rank {r}", ha="right", va="center",
+        ax.add_patch(Rectangle((x_src, slot - h), box_w, h, fc=tint(color),
+                               ec=line_color(color), lw=1.4))
+        ax.text(x_src - 0.1, slot - h / 2 + 0.09, f"rank {r}", ha="right", va="center",
                 fontsize=FONT, fontweight="bold", color=text_color(color))
-        ax.text(x_src - 0.1, y + src_h / 2 - 0.1, f"{(sent + dropped)[r].sum()} rows",
+        ax.text(x_src - 0.1, slot - h / 2 - 0.1, f"{(sent + dropped)[r].sum()} rows",
                 ha="right", va="center", fontsize=FONT - 1, color="#333333")
     # Experts down the right, grouped by the rank holding them, then the dropped box.
     dst_y, y = [], top
     for e in range(experts):
         if e and holders[e] != holders[e - 1]:
             y -= 0.12
-        y -= row_h
-        dst_y.append(y)
+        h = max(sent[:, e].sum() * scale, thin)
+        dst_y.append(y - h)
         color = rank_color(holders[e])
-        ax.add_patch(Rectangle((x_dst, y), box_w, row_h, fc="white", ec=line_color(color),
+        ax.add_patch(Rectangle((x_dst, y - h), box_w, h, fc="white", ec=line_color(color),
                                lw=1.6))
-        ax.text(x_dst + box_w + 0.12, y + row_h / 2,
+        ax.text(x_dst + box_w + 0.12, y - h / 2,
                 f"expert {e} (rank {holders[e]}): {sent[:, e].sum()}", ha="left",
                 va="center", fontsize=FONT - 1, color=text_color(color))
-        y -= gap
+        y -= row_h + gap
     if any_dropped:
-        y -= 0.15 + row_h - gap
-        drop_y = y
-        ax.add_patch(Rectangle((x_dst, drop_y), box_w, row_h, fc=tint(DROPPED), ec=DROPPED,
+        y -= 0.15 - gap
+        h = dropped.sum() * scale
+        drop_y = y - h
+        ax.add_patch(Rectangle((x_dst, drop_y), box_w, h, fc=tint(DROPPED), ec=DROPPED,
                                lw=1.4, ls="--"))
-        ax.text(x_dst + box_w + 0.12, drop_y + row_h / 2, f"dropped: {dropped.sum()}",
+        ax.text(x_dst + box_w + 0.12, y - h / 2, f"dropped: {dropped.sum()}",
                 ha="left", va="center", fontsize=FONT - 1, color="#444444")
     # The bands: each source's outgoing rows stacked from the top of its box, each
     # expert's incoming rows stacked from the top of its box, sources in rank order.
-    into = [dst_y[e] + row_h for e in range(experts)]
-    drop_top = drop_y + row_h if any_dropped else 0.0
+    into = [dst_y[e] + max(sent[:, e].sum() * scale, thin) for e in range(experts)]
+    drop_top = drop_y + dropped.sum() * scale if any_dropped else 0.0
     for r in range(ranks):
-        out = src_y[r] + src_h
+        out = src_y[r] + max((sent + dropped)[r].sum() * scale, thin)
         for e in range(experts):
             n = sent[r, e] * scale
             if n > 0:
