@@ -2013,25 +2013,39 @@ def _extra_once(p, m, forward=1, backward=2, last=0):
     return idle, idle / (m * (forward + backward) + idle)
 
 
-def _gpipe_order(stage, stages, micro_batches):
-    """10.5, wrong: GPipe's order, all forwards then all backwards."""
-    return [f"F{i}" for i in range(micro_batches)] + [f"B{i}" for i in range(micro_batches)]
-
-
-def _warm_up(count):
-    """An order with `count(stage, stages)` warm-up forwards, then 1F1B, then cool-down."""
+def _split_after(delay, warm_up=lambda s, p: p - s - 1):
+    """An order: 1F1B's F and B with `warm_up(stage, stages)` warm-up forwards, and W of
+    micro-batch i right after B of micro-batch i + delay(stage, stages) (the rest at the end)."""
     def order(stage, stages, micro_batches):
-        warm = min(count(stage, stages), micro_batches)
-        steps = [f"F{i}" for i in range(warm)]
+        warm = min(warm_up(stage, stages), micro_batches)
+        fb = [f"F{i}" for i in range(warm)]
         for i in range(micro_batches - warm):
-            steps += [f"F{warm + i}", f"B{i}"]
-        return steps + [f"B{i}" for i in range(micro_batches - warm, micro_batches)]
+            fb += [f"F{warm + i}", f"B{i}"]
+        fb += [f"B{i}" for i in range(micro_batches - warm, micro_batches)]
+        steps = []
+        for step in fb:
+            steps.append(step)
+            i = int(step[1:]) - delay(stage, stages)
+            if step[0] == "B" and i >= 0:
+                steps.append(f"W{i}")
+        ran = {int(step[1:]) for step in steps if step[0] == "W"}
+        return steps + [f"W{i}" for i in range(micro_batches) if i not in ran]
     return order
 
 
-def _no_cool_down(stage, stages, micro_batches):
-    """10.5, wrong: the cool-down's backwards left out."""
-    return _warm_up(lambda s, p: p - s - 1)(stage, stages, micro_batches)[:-1]
+def _whole_backward(stage, stages, micro_batches):
+    """10.5, wrong: 1F1B's order, each backward whole (no W)."""
+    return [s for s in _split_after(lambda s, p: 0)(stage, stages, micro_batches)
+            if s[0] != "W"]
+
+
+def _w_before_b(stage, stages, micro_batches):
+    """10.5, wrong: each W run before its B."""
+    steps = _split_after(lambda s, p: 0)(stage, stages, micro_batches)
+    for k in range(len(steps) - 1):
+        if steps[k][0] == "B" and steps[k + 1][0] == "W":
+            steps[k], steps[k + 1] = steps[k + 1], steps[k]
+    return steps
 
 
 CHAPTER_10B = [
@@ -2050,17 +2064,22 @@ CHAPTER_10B = [
     ("10.4", _extra_once, "for p = 4 stages, m = 6 micro-batches, forward 1, backward 2, the "
      "last stage's forward 1 longer, you returned 10 idle units, the last stage's extra "
      "counted once", "one after the other"),
-    ("10.5", _gpipe_order, "on 4 stages with 6 micro-batches, your orders run, but stage 0 "
-     "holds 6 micro-batches' activations at once", "freed by its backward"),
-    ("10.5", _warm_up(lambda s, p: s), "on 4 stages with 6 micro-batches, your orders "
-     "deadlock: stage 0 waits in B0 for micro-batch 0's gradient from stage 1",
-     "does stage 0 send enough forwards"),
-    ("10.5", _warm_up(lambda s, p: p - s), "on 4 stages with 6 micro-batches, your orders "
-     "run, but stage 0 holds 5 micro-batches' activations", "and no more"),
-    ("10.5", _warm_up(lambda s, p: 0), "on 4 stages with 6 micro-batches, your orders run "
-     "and hold few activations, but the stages take turns", "with too short a warm-up"),
-    ("10.5", _no_cool_down, "for stage 0 of 4 with 6 micro-batches, the order never runs B5",
-     "its backward once"),
+    ("10.5", _whole_backward, "for stage 0 of 4 with 8 micro-batches your order has no W step",
+     "split each backward"),
+    ("10.5", _w_before_b, "for stage 0 of 4 with 8 micro-batches, W0 comes before B0",
+     "F, B and W once each, in that order"),
+    ("10.5", _split_after(lambda s, p: s, warm_up=lambda s, p: s), "on 4 stages with 8 "
+     "micro-batches, your orders deadlock: stage 0 waits in B0 for micro-batch 0's gradient "
+     "from stage 1", "enough forwards before its first B"),
+    ("10.5", _split_after(lambda s, p: 0), "on 4 stages with 8 micro-batches, your orders run "
+     "and hold at most 4 micro-batches a stage, but the step takes 30 units where ZB-H1's "
+     "takes 27 (1F1B's 33)", "delays that B"),
+    ("10.5", _split_after(lambda s, p: s + 1), "on 4 stages with 8 micro-batches, your orders "
+     "run, but stage 0 holds 5 micro-batches at once", "put off too long costs memory"),
+    ("10.5", _split_after(lambda s, p: p - 1 - s), "on 4 stages with 8 micro-batches, your "
+     "orders run, but stage 0 holds 7 micro-batches at once", "put off too long"),
+    ("10.5", _split_after(lambda s, p: 10 ** 6), "on 4 stages with 8 micro-batches, your "
+     "orders run, but stage 0 holds 8 micro-batches at once", "put off too long"),
 ]
 
 

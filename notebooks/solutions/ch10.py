@@ -126,18 +126,28 @@ def bubble(p, m, forward=1, backward=2, last=0):
     return idle, idle / (m * (forward + backward) + idle)
 
 
-# --- 10.5 1F1B's order, run on real ranks ---
+# --- 10.5 zero bubble by hand: where each W goes ---
 
 
-def one_f_one_b(stage, stages, micro_batches):
-    """Exercise 10.5: p − s − 1 warm-up forwards (never more than there are micro-batches),
-    enough to keep the later stages busy until the first gradient returns; then one forward
-    and one backward in turn; then the backwards left."""
+def zb_h1(stage, stages, micro_batches):
+    """Exercise 10.5: 1F1B's order of F and B (p − s − 1 warm-up forwards, then one forward
+    and one backward in turn, then the backwards left), with W of micro-batch i right after
+    B of micro-batch i + s; the W's that never find such a B run at the end. The last stage,
+    which every other waits on, puts its W's off the longest (p − 1 B's), so that its B's go
+    upstream at once; stage 0, whose drain 1F1B leaves idle, runs each W at once. Stage s
+    then holds at most p micro-batches: its p − s warm-up's, plus the s whose W waits."""
     warm = min(stages - stage - 1, micro_batches)
-    steps = [f"F{i}" for i in range(warm)]
+    fb = [f"F{i}" for i in range(warm)]
     for i in range(micro_batches - warm):
-        steps += [f"F{warm + i}", f"B{i}"]
-    return steps + [f"B{i}" for i in range(micro_batches - warm, micro_batches)]
+        fb += [f"F{warm + i}", f"B{i}"]
+    fb += [f"B{i}" for i in range(micro_batches - warm, micro_batches)]
+    steps = []
+    for step in fb:
+        steps.append(step)
+        if step[0] == "B" and int(step[1:]) - stage >= 0:
+            steps.append(f"W{int(step[1:]) - stage}")
+    ran = {int(step[1:]) for step in steps if step[0] == "W"}
+    return steps + [f"W{i}" for i in range(micro_batches) if i not in ran]
 
 
 # --- 10.6 route tokens to experts with all_to_all_single ---

@@ -8,8 +8,9 @@ with every collective watched or counted. 10.3 (chapter 10a too) is the vocabula
 parallel loss: the cross-entropy of logits split by class, on 4 real ranks, against
 `F.cross_entropy` of the whole logits, every collective watched so that none gathers them.
 10.4 and 10.5 (chapter 10b) are pipeline parallelism: GPipe's bubble, held against the
-ideal schedule, and 1F1B's order of a stage, run in the ideal schedule and then on real
-ranks. 10.6 (chapter 10c) routes tokens to experts with an uneven `all_to_all_single`, as
+ideal schedule, and zero bubble by hand (where each stage runs its weight gradients, W, so
+that the step is ZB-H1's within p micro-batches held), run in the ideal schedule and then
+on real ranks. 10.6 (chapter 10c) routes tokens to experts with an uneven `all_to_all_single`, as
 a mixture-of-experts layer does, on real ranks with every all-to-all watched. 10.7
 (chapter 10c too) merges two blocks' partial softmaxes, as ring attention does at every
 step: held against one softmax over both blocks on one process, then run in place of

@@ -1,14 +1,19 @@
-"""Chapter 10b's exercises: GPipe's bubble from the schedule (10.4), and 1F1B's order run on
-real ranks (10.5).
+"""Chapter 10b's exercises: GPipe's bubble from the schedule (10.4), and zero bubble by hand,
+ZB-H1's orders (10.5).
 
 10.4 asks for a GPipe step's bubble on stage 0, in units of time and as a share of the
 step, for any times of a forward and a backward and a last stage slower than the others
 (it computes the loss): the check holds the answer against the ideal schedule's
 counts (`ddplab.parallel.pp.ideal`, the dependencies the real messages impose); the chapter
-measures the same bubble on real ranks. 10.5 asks for 1F1B's order of one stage: the check
-first runs the orders in the ideal schedule (a deadlock named stage by stage, the
-activations each stage holds, the step's length, then 36 exact cases), and only an order
-that passes all of these is confirmed on 4 real ranks with `pp.train_step`.
+measures the same bubble on real ranks. 10.5 asks for the orders of a pipeline whose
+backward is split into B (the input's gradient) and W (the weights'): where each W goes so
+that the step is ZB-H1's, (p − 1)(F + B − W) idle, while no stage holds more than p
+micro-batches. The chapter shows two stages' orders of one pipeline and the search that
+found them (`pp.zero_bubble`); the learner finds the rule for every stage of any pipeline.
+The check runs the orders in the ideal schedule (a deadlock named stage by stage, the
+micro-batches each stage holds, the step against ZB-H1's and 1F1B's, in 9 pipelines), and
+only orders that pass are run on 4 real ranks with `pp.train_step`, their gradients
+against one process's.
 """
 
 from __future__ import annotations
@@ -112,128 +117,142 @@ def check_bubble(bubble: Callable) -> str:
             "shrinks.")
 
 
-# --- 10.5 1F1B's order, run on real ranks ---
+# --- 10.5 zero bubble by hand: where each W goes ---
 
-ORDER_CASES = [(s, p, m) for p in (2, 3, 4) for m in (1, 2, 3, 6) for s in range(p)]
-"""Every stage of pipelines of 2 to 4 stages, with fewer micro-batches than stages (all
-warm-up) and more."""
+ZB_CASES = ((4, 8), (2, 4), (3, 3), (3, 7), (4, 2), (4, 4), (5, 10), (6, 6), (8, 16))
+"""(p, m): the chapter's pipeline first, then short and long ones, fewer micro-batches than
+stages (all warm-up), and as many."""
 
 DEADLOCK_AFTER = 20.0
 """Seconds a stage of the confirming run waits for a message before giving up: orders that
 run in the ideal schedule never wait that long, even on a loaded machine."""
 
 REAL_STAGES, REAL_MICRO_BATCHES = 4, 6
-"""The real run: 4 ranks, more micro-batches than stages, so that GPipe's order holds more
-activations than 1F1B's."""
+"""The real run: 4 ranks, more micro-batches than stages, so that a stage that holds its
+W's too long holds more than p micro-batches."""
 
 
 def _run_orders(orders: list[list[str]], micro_batches: int) -> dict:
-    """On each rank: one step of a small pipeline in the given orders; what the stage held
-    at most, or the message of its wait that ran out."""
+    """On each rank: one step of a small pipeline (a Linear per rank) in the given orders;
+    the largest |Δ| of the stage's gradients from one process's, what the stage held at
+    most, or the message of its wait that ran out."""
     import torch
     import torch.distributed as dist
     from torch import nn
 
     from ddplab.parallel import pp
 
+    rank, m = dist.get_rank(), micro_batches
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(dist.get_world_size())])
-    stage = pp.split(model, dist.get_world_size())[dist.get_rank()]
-    x, y = torch.randn(2 * micro_batches, 8), torch.randn(2 * micro_batches, 8)
-    step = functools.partial(pp.train_step, stage, micro_batches=micro_batches, inputs=x,
-                             targets=y, loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(2 * m, 8), torch.randn(2 * m, 8)
+    nn.functional.mse_loss(model(x), y).backward()  # one process: the whole batch at once
+    reference = [q.grad.clone() for q in model[rank].parameters()]
+    stage = pp.split(model, dist.get_world_size())[rank]
+    step = functools.partial(pp.train_step, stage, micro_batches=m, inputs=x, targets=y,
+                             loss_fn=nn.functional.mse_loss)
     # a first step in GPipe's order, which cannot deadlock: it pays for what a first step
     # costs (connections, allocations), which a loaded machine can stretch to seconds
     step(schedule="gpipe", timeout=30)
     stage.zero_grad()
     dist.barrier()  # the stages start the step being judged together
     try:
-        record = step(schedule=orders[dist.get_rank()], timeout=DEADLOCK_AFTER)
+        record = step(schedule=orders[rank], timeout=DEADLOCK_AFTER)
     except pp.StageTimeout as err:
         return {"stuck": f"stage {err.stage} waited for micro-batch {err.micro_batch}'s "
-                         f"{err.what} from stage {err.source}", "peak": None}
-    return {"stuck": None, "peak": record.peak_in_flight}
+                         f"{err.what} from stage {err.source}", "peak": None, "delta": None}
+    delta = max((q.grad - r).abs().max().item()
+                for q, r in zip(stage.parameters(), reference, strict=True))
+    return {"stuck": None, "peak": record.peak_in_flight, "delta": delta}
 
 
-def _most_in_flight(steps: list[str]) -> int:
-    """The most micro-batches whose forward has run and backward not yet, along an order."""
+def _most_held(steps: list[str]) -> int:
+    """The most micro-batches a stage holds along its order: forward run, and its W not yet
+    (its layers' inputs wait for it)."""
     held = peak = 0
     for step in steps:
-        held += 1 if step[0] == "F" else -1
+        held += (step[0] == "F") - (step[0] == "W")
         peak = max(peak, held)
     return peak
 
 
-@exercise("10.5", "1F1B's order, run on real ranks", solution="one_f_one_b",
-          hint="stage s must send enough forwards ahead to keep the stages after it busy "
-               "until the first gradient comes back: how many is that? Then one forward, "
-               "one backward; then the backwards left.")
-def check_one_f_one_b(one_f_one_b: Callable) -> str:
+def _orders(zb_h1: Callable, p: int, m: int) -> list[list[str]]:
+    """Every stage's order from the learner's function, each one parsed and refused with
+    what is wrong with it."""
     from ddplab.parallel import pp
 
-    p, m = REAL_STAGES, REAL_MICRO_BATCHES
     orders = []
     for s in range(p):
-        steps = one_f_one_b(s, p, m)
+        steps = zb_h1(s, p, m)
+        where = f"for stage {s} of {p} with {m} micro-batches"
         expect(isinstance(steps, list) and all(isinstance(x, str) for x in steps),
-               f"for stage {s} of {p} with {m} micro-batches you returned {steps!r}; "
-               "expected a list of strings such as ['F0', 'F1', 'B0', ...].")
+               f"{where} you returned {steps!r}; expected a list of strings such as "
+               "['F0', 'F1', 'B0', 'W0', ...].")
+        expect(any(x[:1] == "W" for x in steps),
+               f"{where} your order has no W step: it runs each backward whole, as 1F1B does.",
+               "split each backward: 'B3' is micro-batch 3's input gradient, which the stage "
+               "before waits for, and 'W3' its weights' gradient, which nobody waits for.")
         try:
             pp.check_order(steps, m)
         except ValueError as err:
-            raise NotYet(f"for stage {s} of {p} with {m} micro-batches, {err}.",
-                         "every micro-batch's forward once, its backward once, after it.") \
-                from None
+            raise NotYet(f"{where}, {err}.",
+                         "every micro-batch's F, B and W once each, in that order.") from None
         orders.append(steps)
-    try:
-        events = pp.ideal(orders, m)
-    except ValueError as err:  # the dependencies, counted: who waits for whom
-        raise NotYet(f"on {p} stages with {m} micro-batches, your orders deadlock: "
-                     f"{str(err).removeprefix('these orders deadlock: ')}. Each waits for a "
-                     "message its neighbour only sends after it gets one back.",
-                     "a stage's forward needs the previous stage's forward of the same "
-                     "micro-batch, a backward the next stage's backward. Run your orders by "
-                     "hand for 2 stages: does stage 0 send enough forwards before it waits "
-                     "for a gradient?") from None
-    for s, steps in enumerate(orders):
-        peak = _most_in_flight(steps)
-        expect(peak <= p - s,
-               f"on {p} stages with {m} micro-batches, your orders run, but stage {s} "
-               f"holds {peak} micro-batches' activations at once; 1F1B's stage s holds at "
-               f"most p − s = {p - s}.",
-               "a micro-batch's activations are freed by its backward: how many forwards "
-               "must stage s run before its first backward, and no more?")
-    length, want = max(e.end for e in events), 3 * (m + p - 1)
-    expect(length <= want,
-           f"on {p} stages with {m} micro-batches, your orders run and hold few "
-           f"activations, but the stages take turns: in the ideal schedule your step takes "
-           f"{length:g} units of time where 1F1B's takes {want}.",
-           "with too short a warm-up, stage 0 waits for a micro-batch's gradient before it "
-           "has sent enough forwards: how many must stage s run first to keep the later "
-           "stages busy?")
-    for s, stages, count in ORDER_CASES:
-        got, right = one_f_one_b(s, stages, count), pp.order("1f1b", s, stages, count)
-        if got == right:
-            continue
-        # where the two orders part, not the whole answer
-        at = next((k for k, (a, b) in enumerate(zip(got, right, strict=False)) if a != b),
-                  min(len(got), len(right)))
-        yours = got[at] if at < len(got) else "nothing (your order ends there)"
-        theirs = right[at] if at < len(right) else "nothing more"
-        raise NotYet(f"for stage {s} of {stages} with {count} micro-batch"
-                     f"{'es' if count > 1 else ''} your order parts from 1F1B's at step {at}: "
-                     f"you run {yours}, 1F1B runs {theirs}.",
-                     "with fewer micro-batches than stages, the warm-up is cut short: a stage "
-                     "cannot run forwards of micro-batches that do not exist.")
-    with ranks(p) as pool:  # right on paper: confirmed on real ranks
-        out = run_in_time(pool, _run_orders, orders, m, deadline=90,
+    return orders
+
+
+@exercise("10.5", "Zero bubble by hand: where each W goes", solution="zb_h1",
+          hint="keep 1F1B's order of F and B; a stage's W can wait, and should wait just long "
+               "enough that its B's go upstream at once: the last stage is the one the others "
+               "wait on. How many B's later does stage s run W of micro-batch i?")
+def check_zb_h1(zb_h1: Callable) -> str:
+    from ddplab.parallel import pp
+
+    for p, m in ZB_CASES:
+        orders = _orders(zb_h1, p, m)
+        try:  # a forward, a B and a W of one unit each, as in the chapter
+            events = pp.ideal(orders, m)
+        except ValueError as err:  # the dependencies, counted: who waits for whom
+            raise NotYet(f"on {p} stages with {m} micro-batches, your orders deadlock: "
+                         f"{str(err).removeprefix('these orders deadlock: ')}.",
+                         "a stage's F needs the stage before's F of the same micro-batch, its "
+                         "B the next stage's B; a W needs only its own B. Does each stage run "
+                         "enough forwards before its first B?") from None
+        held = [_most_held(steps) for steps in orders]
+        over = next((s for s, h in enumerate(held) if h > p), None)
+        expect(over is None,
+               f"on {p} stages with {m} micro-batches, your orders run, but stage {over} holds "
+               f"{held[over] if over is not None else 0} micro-batches at once (their forward "
+               f"run, their W not yet): ZB-H1 holds at most p = {p}, 1F1B's stage 0's most.",
+               "a micro-batch's layer inputs stay until its W: a W put off too long costs "
+               "memory. How long can stage s put it off and stay within p?")
+        length = max(e.end for e in events)
+        want = max(e.end for e in pp.ideal(pp.zero_bubble(p, m), m))
+        if length > want:
+            idle = [length - sum(e.end - e.start for e in events if e.stage == s)
+                    for s in range(p)]
+            worst = max(range(p), key=lambda s: idle[s])
+            one_f = max(e.end for e in pp.ideal([pp.order("1f1b", s, p, m) for s in range(p)],
+                                                m))
+            raise NotYet(f"on {p} stages with {m} micro-batches, your orders run and hold at "
+                         f"most {max(held)} micro-batches a stage, but the step takes "
+                         f"{length:g} units where ZB-H1's takes {want:g} (1F1B's "
+                         f"{one_f:g}): stage {worst} idles {idle[worst]:g} of them.",
+                         "a W run while a later stage still waits for this stage's B delays "
+                         "that B; a W run while this stage would otherwise wait is free.")
+    with ranks(REAL_STAGES) as pool:  # right on paper: confirmed on real ranks
+        out = run_in_time(pool, _run_orders, _orders(zb_h1, REAL_STAGES, REAL_MICRO_BATCHES),
+                          REAL_MICRO_BATCHES, deadline=90,
                           meaning="Your orders did not finish on real ranks.",
-                          hint="a stage's forward needs the previous stage's forward of the "
-                               "same micro-batch, a backward the next stage's backward.")
+                          hint="a stage's F needs the previous stage's F of the same "
+                               "micro-batch, a B the next stage's B.")
     stuck = [o["stuck"] for o in out if o["stuck"] is not None]
-    expect(not stuck, f"on {p} real ranks your orders did not finish: {stuck} (a problem of "
-                      "the machine, not of your answer, since they run in the ideal "
-                      "schedule).", "try again.")
-    return (f"right for all {len(ORDER_CASES)} stages, and on {p} real ranks with {m} "
-            f"micro-batches your orders ran with stage s holding at most p − s micro-batches' "
-            f"activations ({', '.join(str(o['peak']) for o in out)}).")
+    expect(not stuck, f"on {REAL_STAGES} real ranks your orders did not finish: {stuck} (a "
+                      "problem of the machine, not of your answer, since they run in the "
+                      "ideal schedule).", "try again.")
+    return (f"ZB-H1's step in all {len(ZB_CASES)} pipelines, no stage holding more than p. On "
+            f"{REAL_STAGES} real ranks with {REAL_MICRO_BATCHES} micro-batches your orders "
+            f"held at most {', '.join(str(o['peak']) for o in out)} micro-batches (stages 0 "
+            f"to {REAL_STAGES - 1}), and the gradients differ from one process's by at most "
+            f"{max(o['delta'] for o in out):.1e} (float rounding: the micro-batches' sums "
+            "in another order).")
