@@ -547,8 +547,13 @@ def test_show_overlap_names_every_span_and_its_size_does_not_follow_the_timings(
     # a collective's own lane is not the rank waiting: the rank may compute meanwhile
     legend = [t.get_text() for t in short.axes[0].get_legend().get_texts()]
     assert legend[1].startswith("a collective in flight, waiting on other ranks (hatched")
+    # a synchronous collective blocks the rank: its picture says so in the same place
+    blocked = viz.show_overlap(spans(1.0), waiting="a collective, the rank blocked in it")
+    assert [t.get_text() for t in blocked.axes[0].get_legend().get_texts()][1] == (
+        "a collective, the rank blocked in it")
     with pytest.raises(ValueError, match="no spans"):
         viz.show_overlap([])
+
 @pytest.mark.parametrize("draw", [
     lambda: viz.show_ranks([torch.arange(16)] * 8),
     lambda: viz.show_before_after([torch.arange(16).reshape(4, 4), *[torch.zeros(4)] * 3],

@@ -68,6 +68,27 @@ def test_memory_size_follows_the_bars_and_labels_never_the_measured_bytes():
     assert text_inches("parameters") == round(text_inches("parameters"), 1)
 
 
+def _bar_length(fig, rank_label_index: int = 0) -> float:
+    """The drawn length of the first bar of a memory picture, in the axes' inches."""
+    y = [t for t in fig.axes[0].texts if t.get_text() == "rank 0"][rank_label_index]
+    y0 = y.get_position()[1]
+    parts = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_fill()
+             and p.get_y() <= y0 <= p.get_y() + p.get_height()]
+    return sum(p.get_width() for p in parts)
+
+
+def test_two_memory_pictures_on_one_scale_draw_half_the_bytes_half_as_long():
+    two = stages(2)
+    four = stages(4)
+    biggest = max(sum(m.values()) for _, ranks in two for m in ranks)
+    a = viz.show_memory(two)
+    b = viz.show_memory(four, scale_to=biggest)
+    ratio = sum(memory(3, 4).values()) / sum(memory(0, 2).values())  # ZeRO-3 at 4 / DDP at 2
+    assert _bar_length(b, 3) / _bar_length(a, 0) == pytest.approx(ratio, rel=1e-6)
+    with pytest.raises(ValueError, match="scale_to=1 bytes is less than the largest bar"):
+        viz.show_memory(two, scale_to=1)
+
+
 def test_memory_refuses_bad_input_naming_the_fix():
     with pytest.raises(ValueError, match="predicted has 1 entries for 4 rows: give one"):
         viz.show_memory(stages(2), predicted=[memory(0, 2)])

@@ -6,6 +6,7 @@ import pytest
 
 from ddplab import viz
 from ddplab.planner import GPUS, MODELS, Layout, plan
+from ddplab.viz.canvas import amount
 
 
 def _plans():
@@ -31,6 +32,11 @@ def test_a_row_per_plan_within_the_page_and_sized_by_rows_not_numbers():
     assert viz.screen_size(one)[1] < height
     texts = " ".join(t.get_text() for t in fig.axes[0].texts)
     assert "needs 1222 GiB, has 80" in texts  # the reasons, in words (fp32 gradients included)
+    # its bar is cut at the edge: what each part needs is written out
+    over = next(p for p in plans if not p["feasible"] and p["memory_bytes"])
+    for part, nbytes in over["memory_bytes"].items():
+        if nbytes:
+            assert f"{part} {amount(nbytes / 2**30)}" in texts, part
     assert "heads 64 not divisible by TP 3" in texts
     assert "TP 8 PP 4 CP 1 DP 2" in texts and "MFU" in texts
     # each waiting part written out with its time, slivers included (PP's sends, the bubble)

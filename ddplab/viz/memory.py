@@ -118,7 +118,8 @@ def _legend(ax, categories: Sequence[str], width: float, extra: Sequence[Patch] 
 def show_memory(rows: Sequence[tuple[str, Sequence[Mapping[str, float]]]], *,
                 predicted: Sequence[Mapping[str, float] | None] | None = None,
                 unit: str = "MB", title: str | None = None,
-                predicted_by: str = "the Playbook's arithmetic") -> Figure:
+                predicted_by: str = "the Playbook's arithmetic",
+                scale_to: float | None = None) -> Figure:
     """Memory per rank: one stacked bar per rank, a group of bars per strategy.
 
     `rows` is a list of (label, per_rank): `per_rank[r]` is rank r's {part: bytes}, e.g.
@@ -129,7 +130,9 @@ def show_memory(rows: Sequence[tuple[str, Sequence[Mapping[str, float]]]], *,
     rank of that row holds, drawn as a grey bar under the row's ranks with a dashed line up
     from its end, and named in the legend as `predicted_by` says (chapter 10d: the planner).
     Every bar has its total written after it, in `unit` (decimal: B, kB, MB, GB; binary:
-    KiB, MiB, GiB). All bars share one scale, so groups compare.
+    KiB, MiB, GiB). All bars share one scale, so groups compare; `scale_to` (bytes) is what
+    a bar of the picture's full length stands for, by default its largest bar: give another
+    picture's largest and the two compare too (9a's 2 ranks against 4).
 
     Example: `show_memory([("DDP", [ddp0, ddp1]), ("ZeRO-1", [z0, z1])],
     predicted=[playbook(psi, 0, 2).as_dict(), playbook(psi, 1, 2).as_dict()])`.
@@ -176,7 +179,10 @@ def show_memory(rows: Sequence[tuple[str, Sequence[Mapping[str, float]]]], *,
     ax = canvas.ax
     top_total = max([sum(m.values()) for row in values for m in row]
                     + [sum(g.values()) for g in guesses if g])
-    scale = length / max(top_total, 1e-12)
+    if scale_to is not None and scale_to < top_total:
+        raise ValueError(f"scale_to={scale_to:,} bytes is less than the largest bar here "
+                         f"({top_total:,}): give at least that, or None")
+    scale = length / max(top_total if scale_to is None else scale_to, 1e-12)
     y = height - title_h
     for (label, _), row, guess in zip(rows, values, guesses, strict=True):
         group_top = y

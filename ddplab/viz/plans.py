@@ -33,13 +33,14 @@ OVER = "#B00020"
 STEP_PARTS = ("compute", "TP", "CP", "PP", "DP", "bubble")
 """The step's parts in the order drawn: compute, then each parallelism's exposed
 communication, then the bubble."""
-STEP_STYLES = {"compute": (0.3, None), "TP": (0.45, HATCHES["waiting"]),
-               "CP": (0.6, HATCHES["waiting"]), "PP": (0.75, HATCHES["waiting"]),
-               "DP": (0.88, HATCHES["waiting"]), "bubble": (1.0, HATCHES["waiting"])}
+STEP_STYLES = {"compute": (0.3, None), "TP": (0.42, HATCHES["waiting"]),
+               "CP": (0.54, HATCHES["waiting"]), "PP": (0.66, HATCHES["waiting"]),
+               "DP": (0.78, HATCHES["waiting"]), "bubble": (1.0, HATCHES["waiting"])}
 """How each step part is drawn: computing solid; each parallelism's exposed communication
 and the bubble hatched as waiting on other ranks (the kit-wide meaning of that hatch, as in
-every timeline), told apart by their shade, and each written out with its time under the
-bar (a sliver of a second cannot be told by its shade)."""
+every timeline), told apart by their shade (the bubble white: nothing in flight, only
+waiting), and each written out with its time under the bar (a sliver of a second cannot
+be told by its shade)."""
 
 
 def step_style(name: str, order: Sequence[str]) -> tuple[float, str | None]:
@@ -65,6 +66,16 @@ def _waiting(parts: Sequence[tuple[str, float]]) -> str:
     (the ones that take any time), or "" if none does."""
     shown = [f"{k} {_seconds(v)}" for k, v in parts if k != "compute" and v > 0]
     return "waiting: " + " · ".join(shown) if shown else ""
+
+
+def _over_parts(plan: Mapping) -> list[str]:
+    """For a layout over its GPU's memory, what each part needs, in GiB: its bar is cut at
+    the picture's edge, and the parts beyond the cut are what decide it."""
+    parts = plan.get("memory_bytes") or {}
+    if sum(parts.values()) <= plan["cluster"]["memory"]:
+        return []
+    return ["of which " + ", ".join(f"{k} {amount(v / GIB)}" for k, v in parts.items() if v)
+            + " GiB"]
 
 
 def _check(plan: Mapping, k: int) -> None:
@@ -150,7 +161,8 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     mem_w, step_w = span * 0.5, span * 0.5
     width = max(min(left + mem_w + gap + step_w + right, MAX_WIDTH), title_width(title))
     chars = max(int((width - left - 0.3) / 0.075), 30)
-    notes = [textwrap.wrap("; ".join(p.get("reasons", [])), chars) for p in plans]
+    notes = [textwrap.wrap("; ".join([*p.get("reasons", []), *_over_parts(p)]), chars)
+             for p in plans]
     step_parts = [_step_parts(p) for p in plans]
     waits = [_waiting(parts) for parts in step_parts]
     bar_h, line = 0.3, 0.2
@@ -215,7 +227,8 @@ def show_plan(plans: Sequence[Mapping] | Mapping, *, labels: Sequence[str] | Non
     _legend(ax, memory_order, 1.15, 0.55)
     ax.text(0.3, 0.22, "step:", ha="left", va="bottom", fontsize=FONT - 1, color="#333333")
     _legend(ax, STEP_PARTS, 1.15, 0.15, step_style)
-    ax.text(width - 0.2, 0.62, "black line: the GPU's memory", ha="right", va="bottom",
+    ax.text(width - 0.2, 0.62, "black line: the GPU's memory; red: a layout over it",
+            ha="right", va="bottom",
             fontsize=FONT - 1, style="italic", color="#333333")
     ax.text(width - 0.2, 0.22, "TP … DP: exposed communication", ha="right",
             va="bottom", fontsize=FONT - 1, style="italic", color="#333333")

@@ -255,8 +255,14 @@ OVERLAP_WIDTH = MAX_WIDTH
 """Inches `show_overlap` draws: the page's width, 1,000 screen pixels."""
 
 
+OVERLAP_WAITING = ("a collective in flight, waiting on other ranks (hatched: its own lane, "
+                   "the rank free to compute meanwhile)")
+"""What `show_overlap`'s hatch says by default: an asynchronous collective, in a lane of
+its own, while the rank's own lane may compute (DDP's buckets, TP's async all-reduce)."""
+
+
 def show_overlap(spans: Sequence[Span], *, title: str | None = None,
-                 stack_waits: bool = True) -> Figure:
+                 stack_waits: bool = True, waiting: str = OVERLAP_WAITING) -> Figure:
     """Computation and communication on each rank at the same time, every span named.
 
     As `show_timeline`, one lane per rank and `Span.lane` (DDP's "backward" and
@@ -274,6 +280,10 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None,
     it for them): for collectives that never overlap each other, such as FSDP2's
     all-gathers (one unit at a time) and reduce-scatters, where a row per label would
     stack eight rows for eight one-at-a-time calls.
+
+    `waiting` is the legend's words for the hatch: what a collective's span means in this
+    picture (the default, an asynchronous one the rank may compute beside; a synchronous
+    one blocks the rank, and its picture should say so).
     """
     if not spans:
         raise ValueError("no spans to draw")
@@ -364,8 +374,7 @@ def show_overlap(spans: Sequence[Span], *, title: str | None = None,
             ax.plot([middle, at + w / 2], [edge, text_y + (-0.08 if above else 0.08)],
                     color="#777777", lw=0.7)
     time_axis(ax, x, t0, t1, left, axis, y + 0.1)
-    ax.legend(handles=_legend("a collective in flight, waiting on other ranks (hatched: its "
-                              "own lane, the rank free to compute meanwhile)"),
+    ax.legend(handles=_legend(waiting),
               loc="lower left", ncol=2, frameon=False, fontsize=FONT - 1,
               bbox_to_anchor=(0.02, 0.0), handlelength=1.5, columnspacing=1.5)
     return canvas.fig
