@@ -2462,6 +2462,24 @@ def _act_fp32(model, tp, sp, recompute, micro_batch):
     return _act_right(model, tp, sp, recompute, micro_batch, word=4)
 
 
+def _fixed_layout(**fields):
+    """10.10, wrong: one layout for every job, whatever the model and the sequence."""
+    def choose(model, gpus, batch, calc):
+        from ddplab.planner import Layout
+
+        return Layout(**fields)
+    return choose
+
+
+def _every_layout(model, gpus, batch, calc):
+    """10.10, wrong: a brute-force search through the calculator."""
+    from ddplab.planner import Layout
+
+    plans = [calc(Layout(tp=tp, zero=3, recompute="selective", micro_batch=mb))
+             for tp in (1, 2, 4, 8) for mb in (1, 2, 4, 8, 16)]
+    return min((p for p in plans if p.feasible), key=lambda p: p.step).layout
+
+
 CHAPTER_10D = [
     ("10.8", _state_without_tp, "for Llama 3 70B on 64 GPUs, TP 8, PP 4, ZeRO-1, you "
      "predicted", "splits every weight matrix"),
@@ -2491,6 +2509,26 @@ CHAPTER_10D = [
      "'selective'", "stay whole on every rank"),
     ("10.9", _act_full_whole, "for Llama 3 70B, TP 8, sequence parallelism on, recompute "
      "'full'", "split TP ways too"),
+    ("10.10", _fixed_layout(tp=2), "for Llama 3 8B at 8,192 tokens on 16 H100s, 64 sequences "
+     "a step, DP 8, TP 2", "always some recomputation"),
+    ("10.10", _fixed_layout(zero=1, recompute="selective"), "for Llama 3 8B at 8,192 tokens "
+     "on 16 H100s, 64 sequences a step, DP 16, TP 1, PP 1, CP 1, ZeRO-1", "FSDP2 (ZeRO 0 or "
+     "3)"),
+    ("10.10", _fixed_layout(tp=16, zero=3, recompute="selective"), "for Llama 3 8B at 8,192 "
+     "tokens on 16 H100s, 64 sequences a step, DP 1, TP 16", "within a node"),
+    ("10.10", _fixed_layout(zero=3, recompute="selective"), "for Llama 3 8B at 8,192 tokens "
+     "on 16 H100s, 64 sequences a step, DP 16, TP 1, PP 1, CP 1, ZeRO-3, micro-batch 1",
+     "yours loses most in DP"),
+    ("10.10", _fixed_layout(zero=3, recompute="full", micro_batch=4), "for Llama 3 8B at "
+     "8,192 tokens on 16 H100s, 64 sequences a step, DP 16, TP 1, PP 1, CP 1, ZeRO-3, "
+     "micro-batch 4, recompute full", "yours loses most in compute"),
+    ("10.10", _fixed_layout(tp=8, zero=3, recompute="selective"), "for Llama 3 8B at 8,192 "
+     "tokens on 16 H100s, 64 sequences a step, DP 2, TP 8", "yours loses most in TP"),
+    ("10.10", _fixed_layout(tp=2, zero=3, recompute="selective", micro_batch=2), "for Llama 3 "
+     "8B at 32,768 tokens on 16 H100s, 16 sequences a step, DP 8, TP 2", "more of what "
+     "splits memory"),
+    ("10.10", _every_layout, "for Llama 3 8B at 8,192 tokens on 16 H100s, 64 sequences a "
+     "step, your choose() planned more than 16 layouts", "rule out by reasoning first"),
 ]
 
 

@@ -234,3 +234,35 @@ def layer_activation_bytes(model, tp, sp, recompute, micro_batch):
     if recompute == "none":               # softmax's output (and its dropout's mask, output)
         saved += (2 + 3 * masks) * model.heads * s * s * b / tp
     return saved
+
+
+# --- 10.10 choose a layout, the planner as a calculator ---
+
+
+def choose(model, gpus, batch, calc):
+    """Exercise 10.10: torchtitan's FSDP2 (ZeRO-3) with selective recomputation (its
+    attention stores no scores), and no pipeline (its bubble and its sends buy memory these
+    jobs do not need). Memory first: every split of a node's GPUs between TP and CP that the
+    model allows, at one sequence a micro-batch: which fit at all (up to 10 plans)? Then,
+    for the two fastest that fit, larger micro-batches (4 plans at most): FSDP gathers every
+    layer once a micro-batch, so fewer, larger micro-batches gather less, as far as memory
+    lets them."""
+    from ddplab.planner import Layout
+
+    def layout(tp, cp, mb):
+        return Layout(tp=tp, cp=cp, zero=3, recompute="selective", micro_batch=mb)
+
+    splits = [(tp, cp) for tp in (1, 2, 4, 8) for cp in (1, 2, 4, 8)
+              if tp * cp <= 8 and model.heads % tp == 0 and model.kv_heads % tp == 0
+              and model.seq % (2 * cp) == 0 and gpus % (tp * cp) == 0]
+    fits = [p for p in (calc(layout(tp, cp, 1)) for tp, cp in splits) if p.feasible]
+    best = min(fits, key=lambda p: p.step)
+    for p in sorted(fits, key=lambda p: p.step)[:2]:
+        for mb in (2, 4):
+            if p.dp * mb > batch:
+                break
+            bigger = calc(layout(p.layout.tp, p.layout.cp, mb))
+            if not bigger.feasible:
+                break
+            best = min(best, bigger, key=lambda q: q.step)
+    return best.layout

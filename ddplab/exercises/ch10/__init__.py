@@ -16,7 +16,9 @@ a mixture-of-experts layer does, on real ranks with every all-to-all watched. 10
 step: held against one softmax over both blocks on one process, then run in place of
 `cp.combine` in causal ring attention on 4 real ranks. 10.8 (chapter 10d) asks for the
 model state one GPU of a real layout holds, against `ddplab.planner`'s own arithmetic, and
-10.9 (chapter 10d too) for the other half, the activations one layer saves for backward.
+10.9 (chapter 10d too) for the other half, the activations one layer saves for backward;
+10.10 (chapter 10d, last) for a decision: a layout for three jobs, the planner as a
+calculator asked a few times, within 5 % of the fastest the search finds.
 
 A module per concern, each registering its checks with `@exercise` when it is imported
 (chapters 10a, 10c and 10d have two each): `ddplab.exercises` imports this package, which
@@ -28,7 +30,7 @@ imports them all.
 - `pipeline_parallel`: 10.4 and 10.5 (chapter 10b);
 - `context_parallel`: 10.7 (chapter 10c);
 - `experts`: 10.6 (chapter 10c);
-- `planning`: 10.8 and 10.9 (chapter 10d).
+- `planning`: 10.8, 10.9 and 10.10 (chapter 10d).
 """
 
 from ddplab.exercises.ch10 import (

@@ -1,4 +1,5 @@
-"""Chapter 10d's exercises: the two halves of one GPU's memory under a layout (10.8, 10.9).
+"""Chapter 10d's exercises: the two halves of one GPU's memory under a layout (10.8, 10.9),
+and a layout chosen for three jobs (10.10).
 
 10.8 asks for the model state (parameters, gradients, optimizer) one GPU holds for a real
 model and layout (chapter 10d): the check holds the prediction against `ddplab.planner`'s
@@ -9,7 +10,11 @@ backward: Korthikanti et al.'s table for GPT-3, then each change a Llama layer a
 make (grouped-query attention, SwiGLU, no dropout, TP with and without sequence
 parallelism, selective and full recomputation), against the planner's
 `Transformer.activation_bytes`; a known mistake is named by feeding that formula the
-mistaken input (`_activations`).
+mistaken input (`_activations`). 10.10 asks for a decision: a layout torchtitan can run for
+Llama 3 8B at 8,192 and at 32,768 tokens on 16 H100s and for the chapter's 70B on 64, with
+the planner as a calculator the learner may ask at most 16 times a job (`search` asks
+hundreds); a choice within 5 % of the fastest passes, and a slower one is told which part
+of its step loses most against the fastest, and the lever that moves that part.
 """
 
 from __future__ import annotations
@@ -218,3 +223,118 @@ def check_layer_activation_bytes(layer_activation_bytes: Callable) -> str:
     return (f"your activations match the planner's in all {len(_activation_cases())} cases: "
             "GPT-3's table, grouped-query attention, SwiGLU, no dropout, TP with and "
             "without SP, the scores dropped, full recomputation.")
+
+
+# --- 10.10 choose a layout, the planner as a calculator (chapter 10d) ---
+
+JOBS = (("llama3-8b", 8_192, 16, 64), ("llama3-8b", 32_768, 16, 16),
+        ("llama3-70b", 8_192, 64, 512))
+"""(model preset, tokens a sequence, H100s, sequences a step): Llama 3 8B on two nodes,
+then the same at four times the sequence, then the chapter's own question."""
+
+WITHIN = 0.05
+"""How close to the fastest layout torchtitan can run a choice must come: the planner's
+five best for the chapter's question lie within 4.5 % of each other, closer than its own
+error, so a layout within 5 % of the fastest is as good an answer as the fastest."""
+
+
+def _job(name: str, seq: int):
+    from dataclasses import replace
+
+    from ddplab.planner import MODELS
+
+    return replace(MODELS[name], seq=seq)
+
+
+def _lever(yours, best) -> str:
+    """The hint for a layout that runs but is slow: the part of the step where it loses
+    most against the fastest, and the lever that moves that part."""
+    lost = {"compute": yours.time["compute"] - best.time["compute"],
+            "bubble": yours.time["bubble"] - best.time["bubble"]}
+    lost.update({k: yours.exposed.get(k, 0.0) - best.exposed.get(k, 0.0)
+                 for k in set(yours.exposed) | set(best.exposed)})
+    part = max(lost, key=lost.get)
+    levers = {
+        "compute": "Does your layout recompute more than memory needs (full recomputation "
+                   "adds a forward), or keep micro-batches so small that a layer's fixed "
+                   "overhead counts many times?",
+        "bubble": "A pipeline's bubble is (p − 1)/(v·m) of its work: is the pipeline needed "
+                  "for memory at all, and if so, are there enough micro-batches?",
+        "TP": "TP's all-reduces sit on the critical path and grow with the tokens: a "
+              "smaller TP, with ZeRO-3 or CP carrying the memory instead?",
+        "DP": "FSDP gathers every layer again for every micro-batch: fewer, larger "
+              "micro-batches gather less often; what frees the memory for them?",
+        "CP": "CP's exchanges: a smaller CP, if the activations fit?",
+        "PP": "The pipeline's sends: fewer stages?",
+    }
+    return (f"yours loses most in {part} ({lost[part]:.2f} s more than the fastest's). "
+            + levers.get(part, "")).strip()
+
+
+CALLS = 16
+"""How many layouts `choose` may plan for one job: `search` plans hundreds; a choice
+plans the few that memory and the links leave worth asking about."""
+
+
+def _calculator(model, gpus: int, batch: int, job: str) -> Callable:
+    """`calc(layout)`: the planner's Plan of `layout` for this job under torchtitan on H100s,
+    refused past CALLS calls."""
+    from ddplab.planner import GPUS, plan
+    from ddplab.planning.frameworks import FRAMEWORKS
+
+    calls = []
+
+    def calc(layout):
+        calls.append(layout)
+        if len(calls) > CALLS:
+            raise NotYet(f"{job}, your choose() planned more than {CALLS} layouts; the "
+                         "search plans hundreds, and a choice is the few worth planning.",
+                         "rule out by reasoning first: what must be split for the model to "
+                         "fit at all, which splits stay within a node, and then which few "
+                         "of those to compare.")
+        return plan(model, GPUS["h100"], gpus, layout, batch, FRAMEWORKS["torchtitan"])
+
+    calc.calls = calls
+    return calc
+
+
+@exercise("10.10", "Choose a layout: the planner as your calculator", solution="choose",
+          hint="memory first (what must be split to fit at all), then the cheapest way to "
+               "split it: plan your few candidates with calc and compare their steps part "
+               "by part.")
+def check_choose(choose: Callable) -> str:
+    from ddplab.planner import GPUS, Layout, plan, search
+    from ddplab.planning.frameworks import FRAMEWORKS
+
+    h100, titan = GPUS["h100"], FRAMEWORKS["torchtitan"]
+    verdicts = []
+    for name, seq, gpus, batch in JOBS:
+        model = _job(name, seq)
+        job = (f"for {model.name} at {seq:,} tokens on {gpus} H100s, {batch} sequences a "
+               "step")
+        calc = _calculator(model, gpus, batch, job)
+        layout = choose(model, gpus, batch, calc)
+        expect(isinstance(layout, Layout),
+               f"{job} you returned {layout!r}; expected a planner.Layout(tp=..., pp=..., "
+               "cp=..., zero=..., micro_batch=..., recompute=...).")
+        mine = plan(model, h100, gpus, layout, batch, titan)
+        expect(not mine.reasons,
+               f"{job}, {layout.describe(max(mine.dp, 1))} cannot run: "
+               f"{'; '.join(mine.reasons)}.",
+               "torchtitan runs FSDP2 (ZeRO 0 or 3), TP with sequence parallelism within a "
+               "node, PP, CP, and always some recomputation (selective: what its attention "
+               "kernel already does); a layout over 80 GiB needs more of what splits "
+               "memory.")
+        fastest = search(model, h100, gpus, batch, framework=titan).plans[0]
+        behind = mine.step / fastest.step - 1
+        expect(behind <= WITHIN,
+               f"{job}, {layout.describe(mine.dp)} runs, in {mine.memory_total / 2**30:.1f} "
+               f"GiB, a step of {mine.step:.2f} s; torchtitan's fastest, "
+               f"{fastest.layout.describe(fastest.dp)}, takes {fastest.step:.2f} s: yours "
+               f"is {behind:.1%} slower, more than the {WITHIN:.0%} the planner cannot tell "
+               "apart.", _lever(mine, fastest))
+        verdicts.append(f"{model.name} at {seq:,} tokens {behind:+.1%} after "
+                        f"{len(calc.calls)} layouts planned")
+    return ("each of your layouts runs under torchtitan within "
+            f"{WITHIN:.0%} of the fastest of the hundreds the search plans: "
+            f"{'; '.join(verdicts)}.")
