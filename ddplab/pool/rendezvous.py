@@ -64,9 +64,10 @@ _HANDED_OUT = (10000, 20000)
 49152 up on macOS), and below `ddplab.launch`'s Slurm job ports (20000 to 32767)."""
 
 _COUNTER = Path(tempfile.gettempdir()) / "ddplab-ports"
-"""Where the next port to hand out is kept: one small file for the machine, shared by
-every process of every user that calls `free_port` (a per-user file where the shared one
-cannot be opened)."""
+"""Where the next port to hand out is kept: one small file in the temporary folder, shared
+by every process that calls `free_port` (on Linux /tmp, every user's; a per-user file
+where the shared one cannot be opened; macOS gives each user a temporary folder of its
+own)."""
 
 
 def free_port() -> int:
