@@ -70,3 +70,23 @@ def test_cli_calibrate_on_a_gpu_that_is_not_there() -> None:
     done = _cli("--calibrate", "cuda", *SMALL)
     assert done.returncode == 2
     assert "device 'cuda': torch sees no GPU here; calibrate on 'cpu'" in done.stderr
+
+
+def test_the_fit_recovers_an_exact_pair_even_where_the_overhead_is_most_of_a_step():
+    """Steps made by the formula itself, compute F/(peak·e) plus an overhead a layer, with
+    the overhead more than half of the narrow one (as a CPU's small layers are): the fit
+    must give back e and the overhead, not stop partway (three fixed rounds gave 0.406
+    for 0.40)."""
+    from ddplab.planning.steps import fit
+
+    peak, layers, efficiency, overhead = 1e12, 2, 0.40, 2.0e-3
+    flops = [2e9, 8e9, 32e9]
+    measured = [f / (peak * efficiency) + layers * overhead for f in flops]
+
+    def ratios(e, o):
+        return [(f / (peak * e) + layers * o) / m for f, m in zip(flops, measured, strict=True)]
+
+    grid = tuple(i * 1e-4 for i in range(41))  # 0 to 4 ms, the true 2 ms on it
+    got_e, got_o = fit(ratios, grid)
+    assert got_o == pytest.approx(overhead)
+    assert got_e == pytest.approx(efficiency, rel=1e-6)

@@ -2543,3 +2543,11 @@ def test_each_wrong_attempt_gets_its_own_verdict(exercise_id, attempt, message, 
     assert not feedback.passed
     assert feedback.message.startswith(message), feedback.message
     assert hint in feedback.hint, feedback.hint
+
+
+def test_a_slow_layout_is_told_the_gap_and_the_lever_not_the_answer():
+    """10.10 asks for a choice without `search`: its verdict must not hand out the
+    search's fastest layout (TP 2 with micro-batches of 2, for the first job)."""
+    feedback = check("10.10", _fixed_layout(zero=3, recompute="selective"))
+    assert "TP 1" in feedback.message and "TP 2" not in feedback.message, feedback.message
+    assert "micro-batch 2" not in feedback.message + feedback.hint

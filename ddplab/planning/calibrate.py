@@ -202,7 +202,7 @@ class Calibration:
                          f"{_ms(self.predict(hidden))} planned (fitted)")
         for hidden, (got, planned) in self.checks.items():
             lines.append(f"  hidden {hidden:,}: step {_ms(got)} measured, {_ms(planned)} "
-                         f"planned, {planned / got:.2f}× (held out)")
+                         f"planned, {got / planned:.2f}× (measured ÷ planned, held out)")
         return "\n".join(lines)
 
 

@@ -189,21 +189,22 @@ def crossed() -> list[tuple[Published, float, float]]:
 
 def h200_table() -> str:
     """The H200's measured steps beside the planner's (its H200 preset): step time and
-    bytes saved per layer, predicted ÷ measured, and the MFU each step reached."""
+    bytes saved per layer, measured ÷ predicted (the direction of every ratio in chapter
+    10d), and the MFU each step reached."""
     from ddplab.planning import steps
 
     rows = []
     for s in steps.STEPS:
         p = s.predict(GPUS["h200"])
         rows.append((s.model.name, s.model.layers, s.mode, f"{s.seconds * 1e3:.1f}",
-                     f"{p.step * 1e3:.1f}", f"{p.step / s.seconds:.2f}",
+                     f"{p.step * 1e3:.1f}", f"{s.seconds / p.step:.2f}",
                      f"{s.saved_per_layer / 2**20:,.0f}", f"{s.saved_predicted() / 2**20:,.0f}",
-                     f"{s.saved_predicted() / s.saved_per_layer:.2f}",
+                     f"{s.saved_per_layer / s.saved_predicted():.2f}",
                      f"{p.mfu * p.step / s.seconds:.0%}"))
     return ("One H200, one process (the steps the H100 and H200 presets were fitted on: "
             "eager; the others predicted):\n" + format_table(
-                rows, header=["shape", "layers", "mode", "step ms", "predicted", "ratio",
-                              "saved MiB/layer", "predicted", "ratio", "MFU measured"],
+                rows, header=["shape", "layers", "mode", "step ms", "predicted", "meas./pred.",
+                              "saved MiB/layer", "predicted", "meas./pred.", "MFU measured"],
                 rule=True, align="<><>>>>>>>"))
 
 
