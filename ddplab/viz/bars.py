@@ -78,8 +78,10 @@ def show_bars(values: Sequence[tuple[str, float]], *, unit: str = "",
         text = f"{amount(value)} {unit}".rstrip()
         if i < len(notes) and notes[i]:
             text += f"   {notes[i]}"
+        # on a white ground above the reference line, which may pass under it
         ax.text(left + value * scale + 0.1, y + row / 2, text, ha="left", va="center",
-                fontsize=FONT)
+                fontsize=FONT, zorder=4, bbox={"fc": "white", "ec": "none", "pad": 1.0,
+                                               "alpha": 0.9})
     return canvas.fig
 
 
