@@ -17,11 +17,11 @@ RANK / WORLD_SIZE / LOCAL_RANK, when they are set beside OpenMPI's or Slurm's ow
 agree with them: two sets that disagree raise an error naming both, never a guess.
 
 Here too are the policies the training module, the benchmark and the doctor share with the
-pool: which GPU a rank uses (`gpu_index`, `check_gpus`, `device`) and how to find a free
-port (`free_port`). They are written once, in the pool engine (`ddplab.pool.gpus`,
-`ddplab.pool.rendezvous`), because the engine imports nothing of this toolbox; this module
-applies them, raising its own `LaunchError`. How long a process group started here waits
-(`TIMEOUT`) is this module's own.
+pool: which GPU a rank uses (`gpu_index`, `check_gpus`, `device`), how to find a free port
+(`free_port`) and whether one is free (`port_is_free`). They are written once, in the pool
+engine (`ddplab.pool.gpus`, `ddplab.pool.rendezvous`), because the engine imports nothing
+of this toolbox; this module applies them, raising its own `LaunchError`. How long a
+process group started here waits (`TIMEOUT`) is this module's own.
 
 Importing it is cheap (no torch).
 """
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from ddplab.pool import gpus
 from ddplab.pool.rendezvous import POOL_MARK, free_port
+from ddplab.pool.rendezvous import port_is_free as port_is_free  # re-exported: the toolbox's
 
 if TYPE_CHECKING:
     import torch

@@ -29,7 +29,7 @@ import time
 import urllib.parse
 
 from ddplab.exercises import NotYet, exercise, expect, ranks
-from ddplab.launch import free_port
+from ddplab.launch import free_port, port_is_free
 from ddplab.pool.errors import RankTimeout, ranks_text
 
 _WORLD = 3
@@ -492,15 +492,6 @@ def _held_port() -> tuple[socket.socket, int]:
     return held, held.getsockname()[1]
 
 
-def _still_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
 def _keywords(found, call: str) -> list[str]:
     expect(isinstance(found, (list, tuple)),
            f"{call} returned {found!r}; it should return a list of problems, each a string "
@@ -572,7 +563,7 @@ def check_preflight(preflight) -> str:
                 raise NotYet(f"{call} found {got or 'no problem'}; expected "
                              f"{sorted(want) or 'no problem'}." + (f" {why}" if why else ""))
             if port != busy:
-                expect(_still_free(port),
+                expect(port_is_free(port),
                        f"after {call} returned, port {port} was no longer free: close the "
                        "socket you tested it with (a `with` block does).")
     finally:

@@ -6,7 +6,7 @@
   (see its docstring: why not the OS's pick): the MASTER_PORT of a pool
   whose ranks join a group themselves (`init_method=None`), and, as
   `ddplab.launch.free_port`, the one the chapters and launcher scripts give torchrun,
-  mpirun and Slurm.
+  mpirun and Slurm; `port_is_free(port)`, whether nothing listens on a port now.
 - `rank_env()`: a pool rank's environment: the kernel's, less the variables any launcher
   sets per process (`is_per_process`), plus what torchrun would set on one node, and
   `POOL_MARK`, by which `ddplab.launch.detect()` knows that the pool started the process.
@@ -91,7 +91,7 @@ def free_port() -> int:
         start = int(raw) if raw.isdigit() else random.randrange(high - low)
         for step in range(high - low):
             port = low + (start + step) % (high - low)
-            if _nothing_on(port):
+            if port_is_free(port):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, str((port - low + 1) % (high - low)).encode(), 0)
                 return port
@@ -119,7 +119,7 @@ def _shared_counter() -> Iterator[int]:
         os.close(fd)  # closing it lets go of the lock
 
 
-def _nothing_on(port: int) -> bool:
+def port_is_free(port: int) -> bool:
     """Whether `port` can be bound on every address (so nothing listens on any of them)."""
     with socket.socket() as probe:
         try:

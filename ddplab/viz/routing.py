@@ -108,12 +108,12 @@ def show_routing(sent, *, experts_per_rank: int, dropped=None,
     scale = min(src_h / most_src, row_h / most_dst)
     thin = 0.02  # an expert that received nothing: a sliver, so that it is still there
     # Sending ranks, spread evenly down the left; each box at the top of its slot.
-    src_y = []
+    src_top = []  # each box's top, where its outgoing bands start
     pitch = (body - src_h) / max(ranks - 1, 1)
     for r in range(ranks):
         slot = top - r * pitch if ranks > 1 else top - (body - src_h) / 2
         h = max((sent + dropped)[r].sum() * scale, thin)
-        src_y.append(slot - h)
+        src_top.append(slot)
         color = rank_color(r)
         ax.add_patch(Rectangle((x_src, slot - h), box_w, h, fc=tint(color),
                                ec=line_color(color), lw=1.4))
@@ -122,12 +122,12 @@ def show_routing(sent, *, experts_per_rank: int, dropped=None,
         ax.text(x_src - 0.1, slot - h / 2 - 0.1, f"{(sent + dropped)[r].sum()} rows",
                 ha="right", va="center", fontsize=FONT - 1, color="#333333")
     # Experts down the right, grouped by the rank holding them, then the dropped box.
-    dst_y, y = [], top
+    into, y = [], top  # each expert box's top, where its incoming bands start
     for e in range(experts):
         if e and holders[e] != holders[e - 1]:
             y -= 0.12
         h = max(sent[:, e].sum() * scale, thin)
-        dst_y.append(y - h)
+        into.append(y)
         color = rank_color(holders[e])
         ax.add_patch(Rectangle((x_dst, y - h), box_w, h, fc="white", ec=line_color(color),
                                lw=1.6))
@@ -135,20 +135,19 @@ def show_routing(sent, *, experts_per_rank: int, dropped=None,
                 f"expert {e} (rank {holders[e]}): {sent[:, e].sum()}", ha="left",
                 va="center", fontsize=FONT - 1, color=text_color(color))
         y -= row_h + gap
+    drop_top = 0.0
     if any_dropped:
         y -= 0.15 - gap
         h = dropped.sum() * scale
-        drop_y = y - h
-        ax.add_patch(Rectangle((x_dst, drop_y), box_w, h, fc=tint(DROPPED), ec=DROPPED,
+        drop_top = y
+        ax.add_patch(Rectangle((x_dst, y - h), box_w, h, fc=tint(DROPPED), ec=DROPPED,
                                lw=1.4, ls="--"))
         ax.text(x_dst + box_w + 0.12, y - h / 2, f"dropped: {dropped.sum()}",
                 ha="left", va="center", fontsize=FONT - 1, color="#444444")
     # The bands: each source's outgoing rows stacked from the top of its box, each
     # expert's incoming rows stacked from the top of its box, sources in rank order.
-    into = [dst_y[e] + max(sent[:, e].sum() * scale, thin) for e in range(experts)]
-    drop_top = drop_y + dropped.sum() * scale if any_dropped else 0.0
     for r in range(ranks):
-        out = src_y[r] + max((sent + dropped)[r].sum() * scale, thin)
+        out = src_top[r]
         for e in range(experts):
             n = sent[r, e] * scale
             if n > 0:
